@@ -1,0 +1,26 @@
+"""Pure tensor math of GRPO: tensors and plain numbers in, (value, metrics) out."""
+
+from tandem.algo.advantages import SCALE_REWARDS, group_advantages
+from tandem.algo.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs
+from tandem.algo.losses import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    Normalisation,
+    get_reduction,
+    policy_loss,
+    register_loss,
+)
+
+__all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "LOSS_TYPES",
+    "SCALE_REWARDS",
+    "Normalisation",
+    "entropy_from_logits",
+    "get_reduction",
+    "group_advantages",
+    "policy_loss",
+    "register_loss",
+    "selective_log_softmax",
+    "token_logprobs",
+]

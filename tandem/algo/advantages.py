@@ -1,0 +1,47 @@
+"""Group-relative advantages (GRPO, Shao et al. 2024, arXiv:2402.03300, section 4.1.2)."""
+
+import torch
+
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Unbiased standard deviation ignoring NaNs (torch.std semantics; NaN when fewer than 2 values)."""
+    valid = ~torch.isnan(x)
+    count = valid.sum() if dim is None else valid.sum(dim)
+    mean = torch.nanmean(x) if dim is None else torch.nanmean(x, dim=dim, keepdim=True)
+    sq = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x))
+    total = sq.sum() if dim is None else sq.sum(dim)
+    return torch.sqrt(total / (count - 1))
+
+
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Advantage of each completion relative to the other completions of its prompt.
+
+    rewards: (N,) with N = B*G, the G completions of a prompt contiguous; NaN marks a completion
+    whose reward is unknown (every reward function returned None). NaN rewards are left out of
+    the group statistics and get advantage 0, so they add nothing to the gradient.
+    scale_rewards: "group" divides by the group's std, "batch" by the std over all N, "none" by
+    nothing (Dr. GRPO, arXiv:2503.20783, section 3.1, argues the std division biases the update).
+    Returns advantages (N,) and detached statistics.
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(f"rewards must be (B*G,) with G={num_generations}, got shape {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, num_generations)  # (B, G)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)  # (B, 1)
+    group_std = _nanstd(grouped, dim=1)  # (B,)
+    advantages = grouped - mean  # (B, G)
+    if scale_rewards == "group":
+        advantages = advantages / (group_std.nan_to_num(0.0).unsqueeze(1) + eps)
+    elif scale_rewards == "batch":
+        advantages = advantages / (_nanstd(rewards).nan_to_num(0.0) + eps)
+    advantages = advantages.nan_to_num(0.0).reshape(-1)  # (N,)
+    stats = {
+        "reward_std_in_group": torch.nanmean(group_std).detach(),
+        "frac_groups_zero_std": (group_std.nan_to_num(0.0) < 1e-6).float().mean().detach(),
+    }
+    return advantages, stats

@@ -1,0 +1,32 @@
+"""Per-token log-probabilities and entropy from logits."""
+
+import torch
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[..., index] without materialising the full (N, T, V) log-probs.
+
+    logits: (N, T, V), index: (N, T) -> (N, T)
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)  # (N, T)
+        return picked - torch.logsumexp(logits, dim=-1)  # (N, T)
+    # logsumexp in bf16/fp16 loses too much precision: go row by row in fp32.
+    rows = [torch.log_softmax(row.float(), dim=-1) for row in logits]
+    return torch.stack([torch.gather(lp, -1, idx.unsqueeze(-1)).squeeze(-1) for lp, idx in zip(rows, index)])
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of `tokens` under softmax(logits / temperature), the distribution the sampler drew from.
+
+    logits: (N, T, V), tokens: (N, T) -> (N, T)
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return selective_log_softmax(logits / temperature, tokens)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position. logits: (N, T, V) -> (N, T)"""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, T, V)
+    return -(logp.exp() * logp).sum(-1)  # (N, T)

@@ -1,0 +1,32 @@
+"""Turning a dataset row's prompt into token ids with the tokenizer's chat template."""
+
+PROMPT_TRUNCATION = ("error", "left", "skip")
+
+
+def prompt_text(tokenizer, prompt) -> str:
+    """A list of messages goes through the chat template (with the assistant turn opened); a plain
+    string is used as it is, as in TRL's "standard" (non-conversational) format."""
+    if isinstance(prompt, str):
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat_template; give plain string prompts or a tokenizer with a template")
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer, prompt, max_prompt_length: int | None, truncation: str) -> list[int] | None:
+    """Token ids of one prompt, or None when it is too long and `truncation` is "skip".
+
+    "error" raises, "left" keeps the last max_prompt_length tokens (the end of a prompt holds the
+    question and the opened assistant turn), "skip" drops the prompt (the trainer counts them).
+    """
+    ids = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    if max_prompt_length is None or len(ids) <= max_prompt_length:
+        return list(ids)
+    if truncation == "left":
+        return list(ids[-max_prompt_length:])
+    if truncation == "skip":
+        return None
+    raise ValueError(
+        f"a prompt has {len(ids)} tokens, more than max_prompt_length={max_prompt_length}; "
+        "raise max_prompt_length or set prompt_truncation to 'left' or 'skip'"
+    )

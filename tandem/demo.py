@@ -1,0 +1,54 @@
+"""The bundled demo: single-digit addition learned by GRPO on a tiny model, on 2 CPU cores.
+
+A randomly initialised model cannot answer at all, so the demo first teaches it the answer
+*format* by a short supervised warm-up on questions paired with random numbers: it learns to
+reply with a number and stop, but nothing about which number is right (its reward then is
+chance). Everything it learns about addition afterwards comes from the RL reward.
+"""
+
+import json
+import random
+from pathlib import Path
+
+from tandem.init_model import init_model, save, warmup_sft
+
+MAX_OPERAND = 9
+
+
+def addition_rows(seed: int) -> list[dict]:
+    rows = [
+        {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+        for a in range(MAX_OPERAND + 1)
+        for b in range(MAX_OPERAND + 1)
+    ]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def write_jsonl(rows: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    return path
+
+
+def format_pairs(seed: int) -> list[tuple[str, str]]:
+    """Each question with a random answer in the right range: teaches the format, not the sums."""
+    rng = random.Random(seed + 1)
+    return [
+        (f"{a}+{b}=", str(rng.randint(0, 2 * MAX_OPERAND)))
+        for a in range(MAX_OPERAND + 1)
+        for b in range(MAX_OPERAND + 1)
+        for _ in range(4)
+    ]
+
+
+def prepare(out: Path, seed: int = 0, size: str = "tiny", warmup_steps: int = 150) -> tuple[Path, Path]:
+    """Writes the data and the format-warmed model; returns (model dir, data file)."""
+    model_dir = out / "model"
+    model, tokenizer = init_model(model_dir, size=size, seed=seed)
+    warmup_sft(model, tokenizer, format_pairs(seed), steps=warmup_steps, seed=seed)
+    save(model, tokenizer, model_dir)
+    data = write_jsonl(addition_rows(seed), out / "addition.jsonl")
+    return model_dir, data

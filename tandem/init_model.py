@@ -1,0 +1,142 @@
+"""`tandem init-model`: a small causal LM with a real tokenizer and chat template, made offline.
+
+The tokenizer is character level (printable ASCII plus newline) with ChatML special tokens, so
+any text round-trips and the chat template is a real Jinja template applied by transformers.
+The model is a Qwen2 architecture at random init; `warmup_sft` can then teach it an output format
+by plain supervised learning, which the demo uses before RL (see README).
+"""
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from tandem.data import encode_prompt
+
+PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# name -> (hidden_size, intermediate_size, layers, heads, kv_heads)
+SIZES = {
+    "tiny": (64, 256, 2, 4, 2),  # ~0.1M parameters: tests
+    "small": (256, 1024, 4, 8, 4),  # ~3M parameters: benchmarks, about a second a step on 2 cores
+    "medium": (512, 2048, 8, 8, 4),  # ~25M parameters
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    # Byte-level BPE without merges: one token per byte, as in GPT-2/Qwen2 tokenizers before any
+    # merge is learned. Being the same kind of tokenizer as Qwen2's, it loads the same way through
+    # AutoTokenizer (which picks Qwen2's tokenizer class from the model config).
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_order = sorted(alphabet, key=lambda ch: _BYTE_OF[ch])
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS_CHAT, EOS] + byte_order)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        additional_special_tokens=[BOS_CHAT],
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (what ByteLevel uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_OF = {ch: b for b, ch in _byte_to_unicode().items()}
+
+
+def build_model(size: str, vocab_size: int, seed: int, eos_token_id: int, pad_token_id: int) -> Qwen2ForCausalLM:
+    if size not in SIZES:
+        raise ValueError(f"unknown --size {size!r}; choose one of {', '.join(SIZES)}")
+    hidden, inter, layers, heads, kv = SIZES[size]
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def warmup_sft(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    pairs: list[tuple[str, str]],
+    steps: int,
+    lr: float = 3e-3,
+    batch_size: int = 32,
+    seed: int = 0,
+) -> list[float]:
+    """Supervised steps on (user message, assistant reply) pairs; the loss covers the reply only."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for prompt, reply in pairs:
+        p = encode_prompt(tokenizer, [{"role": "user", "content": prompt}], None, "error")
+        r = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((list(p), r))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        batch = [rows[i] for i in torch.randint(len(rows), (batch_size,), generator=gen).tolist()]
+        width = max(len(p) + len(r) for p, r in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)  # (N, T), right-padded
+        labels = torch.full((len(batch), width), -100)  # (N, T)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (p, r) in enumerate(batch):
+            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+            mask[i, : len(p) + len(r)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def init_model(out: str | Path, size: str = "tiny", seed: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+    tokenizer = build_tokenizer()
+    model = build_model(size, len(tokenizer), seed, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    save(model, tokenizer, out)
+    return model, tokenizer
+
+
+def save(model, tokenizer, out: str | Path) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

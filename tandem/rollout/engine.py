@@ -1,0 +1,127 @@
+"""Generation engines behind one small interface. The transformers engine comes first."""
+
+from typing import Protocol
+
+import torch
+
+from tandem.algo import token_logprobs
+from tandem.rollout.sampling import apply_repetition_penalty, filter_logits, sample
+from tandem.rollout.types import Completion, SamplingParams
+
+
+class Engine(Protocol):
+    """What the producer and the rollout server need from an engine."""
+
+    version: int  # number of weight updates received
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        """One completion per prompt; prompt i is sampled with its own seed seeds[i]."""
+        ...
+
+
+class TransformersEngine:
+    """Batched sampling with a KV cache on any transformers causal LM.
+
+    The decode loop is written out instead of calling `model.generate` so that each sequence
+    samples from its own seeded generator (reproducible whatever the batch holds), and so that
+    the behaviour log-probs are exactly log softmax(logits / temperature) of the sampled tokens,
+    the quantity the trainer recomputes: top-k, top-p, min-p and the repetition penalty choose
+    which tokens may be drawn, they do not change the recorded log-probs.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int, version: int = 0):
+        if not eos_token_ids:
+            raise ValueError("the engine needs at least one EOS token id to know when a completion stops")
+        self.model = model
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.version = version
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        params.validate()
+        if len(prompts) != len(seeds):
+            raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._generate(prompts, params, seeds)
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        device = self.device
+        n, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)  # (N, P), left-padded
+        attention = torch.zeros((n, width), dtype=torch.long)  # (N, P)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p) :] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (N, P)
+        generators = [torch.Generator().manual_seed(int(s) & 0xFFFF_FFFF_FFFF) for s in seeds]
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)  # (N, V) for the repetition penalty
+        if params.repetition_penalty != 1.0:
+            seen.scatter_(1, input_ids, attention.bool())
+        eos = torch.tensor(self.eos_token_ids, device=device)
+
+        tokens, logps = [], []
+        done = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
+        finished_by_eos = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
+        cache = None
+        step_ids, step_pos = input_ids, positions
+        for _ in range(params.max_tokens):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()  # (N, V)
+            scores = apply_repetition_penalty(logits, seen, params.repetition_penalty) / params.temperature
+            scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)
+            tok = sample(scores, generators)  # (N,)
+            tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
+            lp = token_logprobs(logits.unsqueeze(1), tok.unsqueeze(1), params.temperature).squeeze(1)  # (N,)
+            tokens.append(tok)
+            logps.append(lp)
+            hit_eos = torch.isin(tok, eos) & ~done
+            finished_by_eos |= hit_eos
+            done |= hit_eos
+            if params.repetition_penalty != 1.0:
+                seen[torch.arange(n, device=device), tok] = True
+            if bool(done.all()):
+                break
+            step_ids = tok.unsqueeze(1)  # (N, 1)
+            step_pos = step_pos[:, -1:] + 1  # (N, 1)
+            attention = torch.cat([attention, torch.ones((n, 1), dtype=attention.dtype, device=device)], dim=1)
+
+        token_mat = torch.stack(tokens, dim=1).cpu()  # (N, T)
+        logp_mat = torch.stack(logps, dim=1).cpu()  # (N, T)
+        finished_by_eos = finished_by_eos.cpu()
+        results = []
+        for i in range(n):
+            row = token_mat[i].tolist()
+            length = len(row)
+            if finished_by_eos[i]:
+                length = next(j for j, t in enumerate(row) if t in self.eos_token_ids) + 1
+            results.append(
+                Completion(
+                    token_ids=row[:length],
+                    logprobs=logp_mat[i, :length].tolist(),
+                    finish_reason="stop" if finished_by_eos[i] else "length",
+                )
+            )
+        return results

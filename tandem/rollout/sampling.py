@@ -1,0 +1,45 @@
+"""Logits processing and reproducible per-sequence sampling."""
+
+import torch
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty (Keskar et al. 2019, eq. 2) on tokens already in the sequence.
+
+    logits: (N, V) float, seen: (N, V) bool -> (N, V)
+    """
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Set to -inf the tokens that top-k, top-p (nucleus) or min-p sampling exclude. (N, V) -> (N, V)"""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (N, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0:
+        probs = torch.softmax(logits, dim=-1)  # (N, V)
+        floor = min_p * probs.max(dim=-1, keepdim=True).values  # (N, 1)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (N, V)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)  # (N, V)
+        # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Draw one token per row with that row's own generator. logits: (N, V) -> (N,)
+
+    Uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
+    p_i. Each row draws V values from its own generator, so a sequence's sample depends only on
+    its seed and its logits, not on which other sequences share the batch.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)  # (N, V)
+    noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])  # (N, V)
+    return torch.argmax(probs / noise.to(probs.device), dim=-1)  # (N,)

@@ -1,0 +1,60 @@
+"""The records that carry a completion from the engine to the loss."""
+
+from dataclasses import asdict, dataclass, field
+
+FINISH_REASONS = ("stop", "length", "error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion. Field names follow vLLM's SamplingParams."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.temperature > 0, "temperature", "must be > 0 (use a small value such as 0.01 for near-greedy)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
+            (0 <= self.min_p < 1, "min_p", "must be in [0, 1)"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1.0 disables it)"),
+        ]
+        for ok, name, fix in checks:
+            if not ok:
+                raise ValueError(f"sampling parameter {name}={getattr(self, name)!r} {fix}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine returns for one sequence."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each token, log softmax(logits / temperature)
+    finish_reason: str  # one of FINISH_REASONS
+
+
+@dataclass
+class Rollout:
+    """One completion with everything the loss and the logs need; nothing downstream guesses these."""
+
+    prompt_index: int  # row of the dataset
+    group_id: int  # the prompt slot this completion belongs to; its G completions share it
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behav_logprobs: list[float]  # per completion token, from the engine that sampled it
+    finish_reason: str
+    version: int  # policy version of the weights that generated it
+    extra: dict = field(default_factory=dict)  # dataset columns, passed to reward functions
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"

@@ -1,0 +1,281 @@
+"""The one configuration of a training run: a dataclass, loaded from YAML, overridden from the
+command line, validated before any model loads, saved with every checkpoint.
+
+Names and meanings follow TRL's GRPOConfig wherever the concept exists there.
+"""
+
+import argparse
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from tandem.data import PROMPT_TRUNCATION
+from tandem.rollout.types import SamplingParams
+
+ROLLOUT_MODES = ("colocate",)
+
+
+def opt(default, help: str, section: str):
+    """A config field with its --help text and the --help section it is listed under."""
+    kind = "default_factory" if isinstance(default, list) else "default"
+    value = (lambda d=default: list(d)) if isinstance(default, list) else default
+    return field(**{kind: value}, metadata={"help": help, "section": section})
+
+
+@dataclass
+class TrainConfig:
+    # --- model and data ---
+    model_name_or_path: str = opt("", "Model folder in HF format or hub name (e.g. one made by `tandem init-model`).", "model and data")
+    dataset_name: str = opt("", "Prompts: a .jsonl/.json/.parquet/.csv file, a save_to_disk folder, or a hub dataset name. Needs a 'prompt' column; other columns reach reward functions.", "model and data")
+    dataset_split: str = opt("train", "Split to use when dataset_name is a hub dataset or a DatasetDict folder.", "model and data")
+    dataset_config: str | None = opt(None, "Configuration name for a hub dataset.", "model and data")
+    max_prompt_length: int | None = opt(512, "Longest prompt in tokens; see prompt_truncation. 'none' for no limit.", "model and data")
+    prompt_truncation: str = opt("error", "What to do with a longer prompt: 'error' stops at load, 'left' keeps its last tokens, 'skip' drops it (counted in the log).", "model and data")
+    shuffle_dataset: bool = opt(True, "Shuffle prompts each epoch (seeded).", "model and data")
+    output_dir: str = opt("runs/tandem", "Run folder: metrics.jsonl, completions.jsonl, config.yaml, checkpoints.", "model and data")
+    seed: int = opt(42, "Seed for init, data order and every sampled completion.", "model and data")
+
+    # --- generation ---
+    rollout_mode: str = opt("colocate", "Where completions are generated: 'colocate' runs the engine on the trainer's own model.", "generation")
+    num_generations: int = opt(8, "Completions per prompt (G); advantages are relative within these groups.", "generation")
+    max_completion_length: int = opt(256, "Most tokens generated per completion.", "generation")
+    temperature: float = opt(1.0, "Sampling temperature; log-probs in the loss use the same temperature.", "generation")
+    top_p: float = opt(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.", "generation")
+    top_k: int = opt(0, "Keep only the k most likely tokens; 0 disables.", "generation")
+    min_p: float = opt(0.0, "Drop tokens less likely than min_p times the most likely one; 0 disables.", "generation")
+    repetition_penalty: float = opt(1.0, "Penalise tokens already in the sequence (>1 discourages repeats); 1 disables.", "generation")
+
+    # --- rewards ---
+    reward_funcs: list[str] = opt([], "Reward functions: built-in names (exact_match, number_format, think_format, length_penalty), 'path/file.py:fn' or 'package.module:fn'.", "rewards")
+    reward_weights: list[float] | None = opt(None, "One weight per reward function (default all 1.0).", "rewards")
+
+    # --- batch and schedule ---
+    max_steps: int = opt(100, "Optimizer steps to train.", "batch and schedule")
+    per_device_train_batch_size: int = opt(8, "Completions per micro-batch on each process (TRL's meaning: completions, not prompts).", "batch and schedule")
+    gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step.", "batch and schedule")
+    steps_per_generation: int | None = opt(None, "Micro-batches each generation round is split into (default: gradient_accumulation_steps). A round holds per_device_train_batch_size * steps_per_generation completions per process, which must be whole groups.", "batch and schedule")
+    num_iterations: int = opt(1, "Passes over each generation round (mu in the GRPO paper).", "batch and schedule")
+    learning_rate: float = opt(1e-6, "Peak learning rate of AdamW.", "batch and schedule")
+    lr_scheduler_type: str = opt("linear", "transformers schedule name: linear, cosine, constant, constant_with_warmup, ...", "batch and schedule")
+    warmup_ratio: float = opt(0.0, "Fraction of max_steps spent warming the learning rate up.", "batch and schedule")
+    weight_decay: float = opt(0.0, "AdamW weight decay.", "batch and schedule")
+    adam_beta1: float = opt(0.9, "AdamW beta1.", "batch and schedule")
+    adam_beta2: float = opt(0.999, "AdamW beta2.", "batch and schedule")
+    max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", "batch and schedule")
+    bf16: bool = opt(False, "Train in bf16 mixed precision (through accelerate).", "batch and schedule")
+
+    # --- loss ---
+    loss_type: str = opt("dapo", f"How per-token losses are reduced: {', '.join(sorted(LOSS_TYPES))} (TRL's definitions).", "loss")
+    beta: float = opt(0.0, "KL coefficient to the reference model (k3 estimator); 0 loads no reference model.", "loss")
+    epsilon: float = opt(0.2, "Lower clip range of the ratio: 1 - epsilon.", "loss")
+    epsilon_high: float | None = opt(None, "Upper clip range: 1 + epsilon_high (default: epsilon; DAPO uses 0.28).", "loss")
+    delta: float | None = opt(None, "Upper clamp of the unclipped ratio (two-sided clipping); must exceed 1 + epsilon_high.", "loss")
+    importance_sampling_level: str = opt("token", "'token' ratio per token, or 'sequence' (GSPO) one ratio per completion.", "loss")
+    scale_rewards: str = opt("group", "Divide advantages by the std of the 'group', the 'batch', or 'none' (Dr. GRPO).", "loss")
+    mask_truncated_completions: bool = opt(False, "Leave completions that hit max_completion_length out of the loss.", "loss")
+
+    # --- logging and checkpoints ---
+    save_steps: int = opt(500, "Save a checkpoint every this many steps (and at the end); 0 saves only at the end.", "logging and checkpoints")
+    num_completions_to_log: int = opt(4, "Completions written to completions.jsonl each step.", "logging and checkpoints")
+    disable_tqdm: bool = opt(False, "Hide the progress bar.", "logging and checkpoints")
+
+    def __post_init__(self):
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+        )
+
+    def completions_per_round(self) -> int:
+        """Completions one process generates per round."""
+        return self.per_device_train_batch_size * self.steps_per_generation
+
+    def validate(self) -> None:
+        """Every check that needs no model: run before anything loads."""
+
+        def need(ok: bool, name: str, fix: str) -> None:
+            if not ok:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: {fix}")
+
+        need(bool(self.model_name_or_path), "model_name_or_path", "give a model folder or hub name (e.g. one made by `tandem init-model runs/model`)")
+        need(bool(self.dataset_name), "dataset_name", "give a prompt file (.jsonl/.json/.parquet/.csv) or a dataset name")
+        need(self.rollout_mode in ROLLOUT_MODES, "rollout_mode", f"must be one of {ROLLOUT_MODES}")
+        need(self.num_generations >= 2, "num_generations", "must be >= 2: advantages compare completions within a group")
+        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
+        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+        need(self.steps_per_generation >= 1, "steps_per_generation", "must be >= 1")
+        need(
+            self.steps_per_generation % self.gradient_accumulation_steps == 0,
+            "steps_per_generation",
+            f"must be a multiple of gradient_accumulation_steps={self.gradient_accumulation_steps} so an optimizer step never spans two rounds",
+        )
+        need(
+            self.completions_per_round() % self.num_generations == 0,
+            "per_device_train_batch_size",
+            f"per_device_train_batch_size * steps_per_generation = {self.completions_per_round()} completions per round "
+            f"must be a multiple of num_generations={self.num_generations} (whole groups); e.g. use "
+            f"{self.num_generations * max(1, round(self.per_device_train_batch_size / self.num_generations))}",
+        )
+        need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
+        need(self.max_steps >= 1, "max_steps", "must be >= 1")
+        need(self.max_completion_length >= 1, "max_completion_length", "must be >= 1")
+        need(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1 or none")
+        need(self.prompt_truncation in PROMPT_TRUNCATION, "prompt_truncation", f"must be one of {PROMPT_TRUNCATION}")
+        need(self.learning_rate > 0, "learning_rate", "must be > 0")
+        need(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
+        need(self.loss_type in LOSS_TYPES, "loss_type", f"unknown; valid names: {', '.join(sorted(LOSS_TYPES))}")
+        need(self.epsilon > 0, "epsilon", "must be > 0 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high])")
+        need(self.epsilon < 1, "epsilon", "must be < 1, or the lower clip bound 1 - epsilon is not positive")
+        need(self.epsilon_high > 0, "epsilon_high", "must be > 0")
+        need(self.delta is None or self.delta > 1 + self.epsilon_high, "delta", f"must be > 1 + epsilon_high = {1 + self.epsilon_high}")
+        need(self.beta >= 0, "beta", "must be >= 0 (0 disables the KL term and loads no reference model)")
+        need(self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"must be one of {SCALE_REWARDS}")
+        need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level", f"must be one of {IMPORTANCE_SAMPLING_LEVELS}")
+        need(bool(self.reward_funcs), "reward_funcs", "give at least one, e.g. --reward_funcs exact_match")
+        need(
+            self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
+            "reward_weights",
+            f"give one weight per reward function ({len(self.reward_funcs)})",
+        )
+        need(self.save_steps >= 0, "save_steps", "must be >= 0")
+        need(self.num_completions_to_log >= 0, "num_completions_to_log", "must be >= 0")
+        try:
+            self.sampling_params().validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc).replace("max_tokens", "max_completion_length")) from None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and the fix."""
+
+
+# ---------------------------------------------------------------- loading and the command line
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _base_type(tp):
+    """(scalar type, is_list, is_optional) of a field annotation."""
+    optional = False
+    args = typing.get_args(tp)
+    if type(None) in args:
+        optional = True
+        tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0], True, optional
+    return tp, False, optional
+
+
+def _parse_scalar(kind, text: str, name: str, optional: bool):
+    if optional and text.lower() in ("none", "null"):
+        return None
+    if kind is bool:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"{name}={text!r}: expected true or false")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r}: expected {kind.__name__}") from None
+
+
+def _check_yaml_value(name: str, value):
+    """Coerce a YAML value to the field's type, or fail naming the field."""
+    kind, is_list, optional = _base_type(_fields()[name].type)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name}: null is not allowed; remove the key to use the default")
+    if is_list:
+        if not isinstance(value, list):
+            value = [value]
+        return [_check_scalar(kind, v, name) for v in value]
+    return _check_scalar(kind, value, name)
+
+
+def _check_scalar(kind, value, name):
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):
+        return _parse_scalar(float, value, name, False)  # YAML reads 1e-5 as a string
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{name}={value!r}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of option: value")
+    known = _fields()
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "; see `tandem train --help` for the options"
+            raise ConfigError(f"unknown key {key!r} in {path}{hint}")
+    return {k: _check_yaml_value(k, v) for k, v in data.items()}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --option per config field, grouped as in the dataclass, with its help text."""
+    parser.add_argument("--config", help="YAML file of options; options given on the command line override it.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(TrainConfig):
+        section = f.metadata["section"]
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section)
+        kind, is_list, optional = _base_type(f.type)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        metavar = {bool: "true|false", int: "INT", float: "FLOAT", str: "STR"}[kind]
+        groups[section].add_argument(
+            f"--{f.name}",
+            nargs="+" if is_list else None,
+            metavar=metavar,
+            default=argparse.SUPPRESS,
+            help=f"{f.metadata['help']} (default: {default})",
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the YAML file, then the command line; validated."""
+    values = load_yaml(args.config) if getattr(args, "config", None) else {}
+    for name, f in _fields().items():
+        if name not in vars(args):
+            continue
+        kind, is_list, optional = _base_type(f.type)
+        raw = vars(args)[name]
+        if is_list:
+            if optional and len(raw) == 1 and raw[0].lower() in ("none", "null"):
+                values[name] = None
+            else:
+                values[name] = [_parse_scalar(kind, r, name, False) for r in raw]
+        else:
+            values[name] = _parse_scalar(kind, raw, name, optional)
+    config = TrainConfig(**values)
+    config.validate()
+    return config

@@ -1,0 +1,444 @@
+"""The GRPO training loop: setup, then one flat loop of labelled, timed phases.
+
+  generate   the producer samples this round's completions (G per prompt) and scores them
+  advantage  rewards of the whole world are gathered; group-relative advantages
+  update     num_iterations passes over the round in steps_per_generation micro-batches,
+             one optimizer step every gradient_accumulation_steps micro-batches
+  sync       the rollout engine receives the new weights; the policy version moves by one
+  log        metrics.jsonl, completions.jsonl, the progress bar, checkpoints
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from tandem import rewards as rewards_lib
+from tandem.algo import Normalisation, entropy_from_logits, group_advantages, policy_loss, token_logprobs
+from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset
+from tandem.rollout.engine import TransformersEngine
+from tandem.rollout.types import Rollout
+from tandem.trainer.checkpoint import save_checkpoint
+from tandem.trainer.config import TrainConfig
+from tandem.trainer.metrics import JsonlWriter
+from tandem.trainer.producer import PromptTable, SyncProducer, completion_seed
+
+
+def load_prompts(config: TrainConfig, tokenizer) -> tuple[PromptTable, int]:
+    """Encode every prompt once; returns the table and how many prompts were skipped as too long."""
+    ds = load_prompt_dataset(config.dataset_name, config.dataset_split, config.dataset_config)
+    others = [c for c in ds.column_names if c != "prompt"]
+    table = PromptTable(prompts=[], prompt_ids=[], columns={c: [] for c in others}, conversational=[])
+    skipped = 0
+    for row in ds:
+        ids = encode_prompt(tokenizer, row["prompt"], config.max_prompt_length, config.prompt_truncation)
+        if ids is None:
+            skipped += 1
+            continue
+        table.prompts.append(row["prompt"])
+        table.prompt_ids.append(ids)
+        table.conversational.append(not isinstance(row["prompt"], str))
+        for c in others:
+            table.columns[c].append(row[c])
+    if not table.prompt_ids:
+        raise ValueError(f"all {skipped} prompts are longer than max_prompt_length={config.max_prompt_length}; raise it")
+    return table, skipped
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # (n, P + C): prompts left-padded, completions right-padded
+    attention_mask: torch.Tensor  # (n, P + C)
+    position_ids: torch.Tensor  # (n, P + C), as the engine numbered them
+    completion_ids: torch.Tensor  # (n, C)
+    completion_mask: torch.Tensor  # (n, C) float, 1 on tokens the loss covers
+
+
+def collate(rollouts: list[Rollout], pad_id: int, device, mask_truncated: bool) -> MicroBatch:
+    n = len(rollouts)
+    P = max(len(r.prompt_ids) for r in rollouts)
+    C = max(1, max(len(r.completion_ids) for r in rollouts))
+    prompt = torch.full((n, P), pad_id, dtype=torch.long)  # (n, P)
+    prompt_mask = torch.zeros((n, P), dtype=torch.long)
+    completion = torch.full((n, C), pad_id, dtype=torch.long)  # (n, C)
+    completion_mask = torch.zeros((n, C), dtype=torch.long)
+    for i, r in enumerate(rollouts):
+        prompt[i, P - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        prompt_mask[i, P - len(r.prompt_ids) :] = 1
+        completion[i, : len(r.completion_ids)] = torch.tensor(r.completion_ids, dtype=torch.long)
+        completion_mask[i, : len(r.completion_ids)] = 1
+    attention = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, P + C)
+    loss_mask = completion_mask.clone()
+    if mask_truncated:
+        truncated = torch.tensor([r.truncated for r in rollouts])  # (n,)
+        loss_mask[truncated] = 0
+    return MicroBatch(
+        input_ids=torch.cat([prompt, completion], dim=1).to(device),
+        attention_mask=attention.to(device),
+        position_ids=(attention.cumsum(-1) - 1).clamp(min=0).to(device),
+        completion_ids=completion.to(device),
+        completion_mask=loss_mask.float().to(device),
+    )
+
+
+def completion_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False):
+    """Per-token log-probs (n, C) of the completion tokens, and their entropy (n, C) if asked."""
+    C = mb.completion_ids.shape[1]
+    logits = model(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        use_cache=False,
+        logits_to_keep=C + 1,
+    ).logits[:, :-1, :]  # (n, C, V): position t predicts completion token t
+    logps = token_logprobs(logits.float(), mb.completion_ids, temperature)  # (n, C)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits, temperature)  # (n, C)
+    return logps, entropy
+
+
+def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r[:width]
+    return out
+
+
+class Trainer:
+    """setup -> train -> cleanup, the loop written out in `train`."""
+
+    def __init__(self, config: TrainConfig):
+        config.validate()
+        self.config = config
+        set_seed(config.seed)
+        self.accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+        self.rank = self.accelerator.process_index
+        self.world = self.accelerator.num_processes
+        self.is_main = self.accelerator.is_main_process
+        self.out = Path(config.output_dir)
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
+            (self.out / "config.yaml").write_text(resolved)
+            print(f"tandem: resolved config ({self.world} process(es))\n{resolved}", flush=True)
+
+        # Cheap checks first: reward functions and the dataset fail before the model loads.
+        self.reward_fns = rewards_lib.load_rewards(config.reward_funcs, config.reward_weights)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.table, self.skipped_prompts = load_prompts(config, self.tokenizer)
+        if self.skipped_prompts and self.is_main:
+            print(f"tandem: skipped {self.skipped_prompts} prompts longer than max_prompt_length={config.max_prompt_length}")
+
+        model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
+        self.ref_model = None
+        if config.beta != 0.0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(self.accelerator.device)
+            self.ref_model.eval().requires_grad_(False)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )
+        # Stepped by hand once per optimizer step: accelerate's prepared scheduler would step once per process.
+        self.scheduler = get_scheduler(
+            config.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=math.ceil(config.warmup_ratio * config.max_steps),
+            num_training_steps=config.max_steps,
+        )
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+
+        eos_ids = self._eos_ids(model)
+        self.engine = TransformersEngine(self.accelerator.unwrap_model(self.model), eos_ids, self.tokenizer.pad_token_id)
+        G = config.num_generations
+        self.sampler = GroupSampler(
+            len(self.table.prompt_ids), config.completions_per_round() // G, config.seed, self.rank, self.world, config.shuffle_dataset
+        )
+        self.producer = SyncProducer(
+            self.table, self.sampler, self.engine, self.tokenizer, self.reward_fns, config.sampling_params(), G, config.seed
+        )
+        self.global_step = 0
+        self.metrics_log = JsonlWriter(self.out / "metrics.jsonl") if self.is_main else None
+        self.completions_log = JsonlWriter(self.out / "completions.jsonl") if self.is_main else None
+
+    def _eos_ids(self, model) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
+        ids.discard(None)
+        if not ids:
+            raise ValueError(f"{self.config.model_name_or_path}: neither the tokenizer nor generation_config names an EOS token")
+        return sorted(ids)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> dict:
+        cfg = self.config
+        G, GA = cfg.num_generations, cfg.gradient_accumulation_steps
+        steps_per_round = cfg.num_iterations * cfg.steps_per_generation // GA
+        need_old = steps_per_round > 1  # the policy moves within the round: the ratio needs the round's start
+        bar = tqdm(total=cfg.max_steps, desc="tandem", disable=cfg.disable_tqdm or not self.is_main, dynamic_ncols=True)
+        last: dict = {}
+        while self.global_step < cfg.max_steps:
+            round_start = time.perf_counter()
+
+            # --- generate (and score) ---
+            rnd = self.producer.next_round()
+            rollouts = rnd.rollouts  # (N_rank,)
+            n_local = len(rollouts)
+
+            # --- advantage: group statistics over the rewards of every rank ---
+            rewards = rewards_lib.combine(rnd.rewards, [r.weight for r in self.reward_fns])  # (N_rank,)
+            all_table = self._gather(rnd.rewards)  # (N, F)
+            all_rewards = self._gather(rewards)  # (N,)
+            advantages_all, adv_stats = group_advantages(all_rewards, G, cfg.scale_rewards)  # (N,)
+            advantages = advantages_all[self.rank * n_local : (self.rank + 1) * n_local]  # (N_rank,)
+            lengths = self._gather(torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float))  # (N,)
+            truncated = self._gather(torch.tensor([r.truncated for r in rollouts], dtype=torch.float))  # (N,)
+
+            old_logps = self._logprobs_no_grad(self.model, rollouts) if need_old else None
+            ref_logps = self._logprobs_no_grad(self.ref_model, rollouts) if self.ref_model is not None else None
+
+            # --- update ---
+            step_tokens = self._step_tokens(rollouts, rnd.index)  # (num_iterations, steps_per_generation // GA)
+            micro_size = cfg.per_device_train_batch_size
+            for it in range(cfg.num_iterations):
+                order = self._order(n_local, rnd.index, it)
+                for opt_step in range(cfg.steps_per_generation // GA):
+                    t_train = time.perf_counter()
+                    stats: dict[str, list] = {}
+                    loss_sum = 0.0
+                    for m in range(GA):
+                        lo = (opt_step * GA + m) * micro_size
+                        idx = order[lo : lo + micro_size]
+                        norm = Normalisation(
+                            max_completion_length=cfg.max_completion_length,
+                            grad_accum=GA,
+                            step_tokens=float(step_tokens[it, opt_step]),
+                            world_size=self.world,
+                        )
+                        loss, mstats = self._micro_step(rollouts, idx, advantages, old_logps, ref_logps, norm, sync=m == GA - 1)
+                        loss_sum += loss
+                        for k, v in mstats.items():
+                            stats.setdefault(k, []).append(v)
+                    grad_norm = self._optimizer_step()
+                    self.global_step += 1
+                    first = it == 0 and opt_step == 0
+                    final = it == cfg.num_iterations - 1 and opt_step == cfg.steps_per_generation // GA - 1
+                    sync_seconds = self._sync_weights() if final else 0.0
+                    record = {
+                        "step": self.global_step,
+                        "round": rnd.index,
+                        "policy_version": self.engine.version,
+                        "loss": loss_sum,
+                        "grad_norm": grad_norm,
+                        "learning_rate": self.scheduler.get_last_lr()[0],
+                        **{k: torch.stack(v).mean() for k, v in stats.items()},
+                    }
+                    record = self._mean_across_ranks(record)
+                    round_seconds = time.perf_counter() - round_start
+                    record.update(self._round_metrics(rnd, all_table, all_rewards, adv_stats, lengths, truncated, round_seconds, first))
+                    record["time/train"] = time.perf_counter() - t_train - sync_seconds
+                    record["time/weight_sync"] = sync_seconds
+                    self._log(record, bar)
+                    if first:
+                        self._log_completions(rnd, all_rewards, advantages_all)
+                    if cfg.save_steps and self.global_step % cfg.save_steps == 0:
+                        self.save()
+                    last = record
+                    if self.global_step >= cfg.max_steps:
+                        break
+                if self.global_step >= cfg.max_steps:
+                    break
+        bar.close()
+        if not cfg.save_steps or self.global_step % cfg.save_steps:
+            self.save()
+        return last
+
+    # ------------------------------------------------------------------ phases
+
+    def _micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, norm: Normalisation, sync: bool):
+        """Forward and backward of one micro-batch; gradients are all-reduced on the last one only."""
+        cfg = self.config
+        mb = collate([rollouts[i] for i in idx], self.tokenizer.pad_token_id, self.accelerator.device, cfg.mask_truncated_completions)
+        C = mb.completion_ids.shape[1]
+        # Toggle DDP's gradient sync instead of entering no_sync(): the same effect without a context
+        # manager around the forward (nanoGPT does the same with require_backward_grad_sync).
+        if hasattr(self.model, "require_backward_grad_sync"):
+            self.model.require_backward_grad_sync = sync
+        logps, entropy = completion_logprobs(self.model, mb, cfg.temperature, with_entropy=True)  # (n, C)
+        old = _pad_rows([old_logps[i] for i in idx], C).to(logps.device) if old_logps is not None else logps.detach()
+        ref = _pad_rows([ref_logps[i] for i in idx], C).to(logps.device) if ref_logps is not None else None
+        loss, metrics = policy_loss(
+            logps,
+            old,
+            advantages[idx].to(logps.device),
+            mb.completion_mask,
+            loss_type=cfg.loss_type,
+            norm=norm,
+            epsilon_low=cfg.epsilon,
+            epsilon_high=cfg.epsilon_high,
+            delta=cfg.delta,
+            importance_sampling_level=cfg.importance_sampling_level,
+            beta=cfg.beta,
+            ref_logprobs=ref,
+        )
+        self.accelerator.backward(loss)
+        mask = mb.completion_mask
+        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+        return loss.detach(), metrics
+
+    def _optimizer_step(self) -> torch.Tensor:
+        grad_norm = torch.tensor(float("nan"))
+        if self.config.max_grad_norm > 0:
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _sync_weights(self) -> float:
+        """Colocated: the engine runs on the trainer's own parameters, so only the version moves."""
+        t = time.perf_counter()
+        self.engine.version += 1
+        return time.perf_counter() - t
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, model, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        out = []
+        size = self.config.per_device_train_batch_size
+        for lo in range(0, len(rollouts), size):
+            chunk = rollouts[lo : lo + size]
+            mb = collate(chunk, self.tokenizer.pad_token_id, self.accelerator.device, False)
+            logps, _ = completion_logprobs(model, mb, self.config.temperature)  # (n, C)
+            out += [logps[i, : len(r.completion_ids)].cpu() for i, r in enumerate(chunk)]
+        return out
+
+    def _order(self, n: int, round_index: int, iteration: int) -> list[int]:
+        """Seeded shuffle of a round's sequences before they are cut into micro-batches."""
+        g = torch.Generator().manual_seed(completion_seed(self.config.seed, round_index, -1, iteration) & 0xFFFF_FFFF)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _step_tokens(self, rollouts: list[Rollout], round_index: int) -> torch.Tensor:
+        """Completion tokens in each optimizer step of the round, summed over ranks (for dapo)."""
+        cfg = self.config
+        steps = cfg.steps_per_generation // cfg.gradient_accumulation_steps
+        per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        counts = torch.zeros((cfg.num_iterations, steps))
+        for it in range(cfg.num_iterations):
+            order = self._order(len(rollouts), round_index, it)
+            for s in range(steps):
+                idx = order[s * per_step : (s + 1) * per_step]
+                keep = [r for r in (rollouts[i] for i in idx) if not (cfg.mask_truncated_completions and r.truncated)]
+                counts[it, s] = sum(len(r.completion_ids) for r in keep)
+        if self.world > 1:
+            counts = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").cpu()
+        return counts
+
+    # ------------------------------------------------------------------ distribution helpers
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
+
+    def _mean_across_ranks(self, record: dict) -> dict:
+        keys = [k for k, v in record.items() if isinstance(v, torch.Tensor)]
+        values = torch.stack([record[k].detach().float().cpu().reshape(()) for k in keys])
+        if self.world > 1:
+            values = self.accelerator.reduce(values.to(self.accelerator.device), reduction="mean").cpu()
+        return {**record, **dict(zip(keys, values.tolist()))}
+
+    # ------------------------------------------------------------------ logging and saving
+
+    def _round_metrics(self, rnd, table, rewards, adv_stats, lengths, truncated, round_seconds, first) -> dict:
+        tokens = float(lengths.sum())
+        m = {
+            "reward": torch.nanmean(rewards).item(),
+            "reward_std": _nanstd(rewards),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/truncated_ratio": truncated.mean().item(),
+            "completion_tokens": tokens,
+            "completion_tokens_per_second": tokens / max(round_seconds, 1e-9),
+            "frac_reward_zero_std": adv_stats["frac_groups_zero_std"].item(),
+            "prompts_skipped": self.skipped_prompts,
+            "time/generate": rnd.generate_seconds if first else 0.0,
+            "time/reward": rnd.reward_seconds if first else 0.0,
+        }
+        for j, fn in enumerate(self.reward_fns):
+            m[f"rewards/{fn.name}/mean"] = torch.nanmean(table[:, j]).item()
+            m[f"rewards/{fn.name}/std"] = _nanstd(table[:, j])
+        return m
+
+    def _log(self, record: dict, bar) -> None:
+        if not self.is_main:
+            return
+        self.metrics_log.write(record)
+        bar.update(1)
+        bar.set_postfix(reward=f"{record['reward']:.3f}", tok_s=f"{record['completion_tokens_per_second']:.0f}", loss=f"{record['loss']:.4f}")
+
+    def _log_completions(self, rnd, all_rewards, advantages_all) -> None:
+        if not self.is_main or not self.config.num_completions_to_log:
+            return
+        texts = self.tokenizer.batch_decode([r.completion_ids for r in rnd.rollouts], skip_special_tokens=False)
+        for k, ro in enumerate(rnd.rollouts[: self.config.num_completions_to_log]):
+            self.completions_log.write(
+                {
+                    "step": self.global_step,
+                    "round": rnd.index,
+                    "prompt": self.tokenizer.decode(ro.prompt_ids, skip_special_tokens=False),
+                    "completion": texts[k],
+                    "reward": all_rewards[k].item(),
+                    **{f"rewards/{fn.name}": rnd.rewards[k, j].item() for j, fn in enumerate(self.reward_fns)},
+                    "advantage": advantages_all[k].item(),
+                    "finish_reason": ro.finish_reason,
+                    "policy_version": ro.version,
+                }
+            )
+
+    def save(self) -> Path | None:
+        self.accelerator.wait_for_everyone()
+        if not self.is_main:
+            return None
+        state = {
+            "global_step": self.global_step,
+            "policy_version": self.engine.version,
+            "round": self.producer.round_index,
+            "sampler": self.sampler.state_dict(),
+        }
+        return save_checkpoint(
+            self.out, self.global_step, self.accelerator.unwrap_model(self.model), self.tokenizer, self.config.to_dict(), state
+        )
+
+    def close(self) -> None:
+        for w in (self.metrics_log, self.completions_log):
+            if w is not None:
+                w.close()
+        self.accelerator.end_training()
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    v = x[~torch.isnan(x)]
+    return v.std().item() if v.numel() > 1 else 0.0
+
+
+def train(config: TrainConfig) -> dict:
+    trainer = Trainer(config)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
