@@ -13,6 +13,7 @@ from pathlib import Path
 from tandem.init_model import init_model, save, warmup_sft
 
 MAX_OPERAND = 9
+NOISE = 2
 
 
 def addition_rows(seed: int) -> list[dict]:
@@ -33,22 +34,23 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def format_pairs(seed: int) -> list[tuple[str, str]]:
-    """Each question with a random answer in the right range: teaches the format, not the sums."""
+def warmup_pairs(seed: int) -> list[tuple[str, str]]:
+    """Each question with an answer that is off by -2..2 at random: the model learns the format and
+    roughly where the sum lies, so it starts near 1 in 5 right; RL has to find the exact sums."""
     rng = random.Random(seed + 1)
     return [
-        (f"{a}+{b}=", str(rng.randint(0, 2 * MAX_OPERAND)))
+        (f"{a}+{b}=", str(max(0, a + b + rng.randint(-NOISE, NOISE))))
         for a in range(MAX_OPERAND + 1)
         for b in range(MAX_OPERAND + 1)
-        for _ in range(4)
+        for _ in range(8)
     ]
 
 
-def prepare(out: Path, seed: int = 0, size: str = "tiny", warmup_steps: int = 150) -> tuple[Path, Path]:
+def prepare(out: Path, seed: int = 0, size: str = "tiny", warmup_steps: int = 300) -> tuple[Path, Path]:
     """Writes the data and the format-warmed model; returns (model dir, data file)."""
     model_dir = out / "model"
     model, tokenizer = init_model(model_dir, size=size, seed=seed)
-    warmup_sft(model, tokenizer, format_pairs(seed), steps=warmup_steps, seed=seed)
+    warmup_sft(model, tokenizer, warmup_pairs(seed), steps=warmup_steps, seed=seed)
     save(model, tokenizer, model_dir)
     data = write_jsonl(addition_rows(seed), out / "addition.jsonl")
     return model_dir, data
