@@ -35,7 +35,7 @@ def _demo(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     t0 = time.perf_counter()
     model_dir, data = prepare(out, seed=args.seed)
-    print(f"demo: tiny model with format warm-up in {model_dir}, {data.name} written ({time.perf_counter() - t0:.0f}s)")
+    print(f"demo: tiny model after its supervised warm-up in {model_dir}, {data.name} written ({time.perf_counter() - t0:.0f}s)")
     values = load_yaml(args.config)
     values.update(model_name_or_path=str(model_dir), dataset_name=str(data), output_dir=str(out / "run"), seed=args.seed)
     if args.max_steps:

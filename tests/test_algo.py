@@ -1,0 +1,161 @@
+"""The loss and advantage math against values worked out by hand in the comments."""
+
+import math
+
+import pytest
+import torch
+
+from tandem.algo import LOSS_TYPES, Normalisation, group_advantages, policy_loss, token_logprobs
+from tandem.algo.losses import get_reduction
+
+# Two sequences, three token slots; old log-probs 0 so ratio = exp(logprobs).
+# row 0 (A = +1): ratios 1.5, 1.0, 0.5          all three tokens in the loss
+# row 1 (A = -2): ratios 1.1, 0.7, (1.0 masked)  two tokens in the loss
+RATIOS = torch.tensor([[1.5, 1.0, 0.5], [1.1, 0.7, 1.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+ADV = torch.tensor([1.0, -2.0])
+# Per-token loss -min(r*A, clip(r, 0.8, 1.2)*A):
+# row 0: r=1.5 -> min(1.5, 1.2) = 1.2 -> -1.2 | r=1.0 -> -1.0 | r=0.5 -> min(0.5, 0.8) -> -0.5
+#        sum -2.7, mean -0.9
+# row 1: r=1.1 -> min(-2.2, -2.2) -> 2.2 | r=0.7 -> min(-1.4, -1.6) = -1.6 -> 1.6
+#        sum 3.8, mean 1.9
+# all 5 tokens: sum 1.1
+
+
+def _loss(loss_type, norm=None, **kw):
+    logprobs = RATIOS.log().clone().requires_grad_(True)
+    norm = norm or Normalisation(max_completion_length=4)
+    loss, metrics = policy_loss(logprobs, torch.zeros(2, 3), ADV, MASK, loss_type=loss_type, norm=norm, **kw)
+    return loss, metrics, logprobs
+
+
+@pytest.mark.parametrize(
+    "loss_type, norm, expected",
+    [
+        ("grpo", Normalisation(4), (-0.9 + 1.9) / 2),  # mean of per-sequence means = 0.5
+        ("bnpo", Normalisation(4), 1.1 / 5),  # token mean = 0.22
+        ("dr_grpo", Normalisation(4), 1.1 / (2 * 4)),  # sum / (N * max_completion_length) = 0.1375
+        ("dapo", Normalisation(4, step_tokens=11.0, world_size=2), 1.1 * 2 / 11),  # 0.2
+        ("grpo", Normalisation(4, grad_accum=2), 0.25),  # each micro-batch carries 1/grad_accum
+        ("bnpo", Normalisation(4, grad_accum=4), 0.055),
+        ("dr_grpo", Normalisation(4, grad_accum=2), 0.06875),
+    ],
+)
+def test_each_loss_type_normalises_as_worked_out(loss_type, norm, expected):
+    loss, _, _ = _loss(loss_type, norm)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_every_registered_loss_type_is_covered():
+    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo"}
+
+
+def test_unknown_loss_type_lists_the_valid_names():
+    with pytest.raises(ValueError, match="bnpo, dapo, dr_grpo, grpo"):
+        get_reduction("ppo")
+
+
+def test_clip_metrics_and_clipped_tokens_get_no_gradient():
+    loss, metrics, logprobs = _loss("bnpo")
+    # low: r < 0.8 with A < 0 -> row 1 token 1; high: r > 1.2 with A > 0 -> row 0 token 0; of 5 tokens
+    assert metrics["clip_ratio/low_mean"].item() == pytest.approx(0.2)
+    assert metrics["clip_ratio/high_mean"].item() == pytest.approx(0.2)
+    assert metrics["clip_ratio/region_mean"].item() == pytest.approx(0.4)
+    loss.backward()
+    g = logprobs.grad
+    assert g[0, 0] == 0 and g[1, 1] == 0  # clipped
+    assert g[1, 2] == 0  # masked
+    # unclipped: d(-r*A/5)/dlogp = -A*r/5
+    assert g[0, 1].item() == pytest.approx(-1.0 * 1.0 / 5)
+    assert g[0, 2].item() == pytest.approx(-1.0 * 0.5 / 5)
+    assert g[1, 0].item() == pytest.approx(2.0 * 1.1 / 5)
+
+
+def test_epsilon_high_widens_only_the_upper_bound():
+    # With epsilon_high 0.6 the 1.5 ratio of row 0 is no longer clipped: -1.5 instead of -1.2.
+    loss, metrics, _ = _loss("bnpo", epsilon_low=0.2, epsilon_high=0.6)
+    assert loss.item() == pytest.approx((1.1 - 0.3) / 5)
+    assert metrics["clip_ratio/high_mean"].item() == 0
+
+
+def test_delta_caps_the_unclipped_ratio_for_negative_advantages():
+    # One token, A = -2, ratio 3: without delta -min(-6, -2.4) = 6; delta 1.4 caps it: -min(-2.8, -2.4) = 2.8
+    lp, old, adv, mask = torch.tensor([[math.log(3.0)]]), torch.zeros(1, 1), torch.tensor([-2.0]), torch.ones(1, 1)
+    plain, _ = policy_loss(lp, old, adv, mask, loss_type="bnpo", norm=Normalisation(1))
+    capped, _ = policy_loss(lp, old, adv, mask, loss_type="bnpo", norm=Normalisation(1), delta=1.4)
+    assert plain.item() == pytest.approx(6.0)
+    assert capped.item() == pytest.approx(2.8)
+
+
+def test_sequence_level_ratio_is_gspo_length_normalised():
+    # row 0: exp(mean(ln1.5, 0, ln0.5)) = 0.75^(1/3) = 0.90856, inside [0.8, 1.2]: -0.90856 per token
+    # row 1: exp(mean(ln1.1, ln0.7)) = 0.77^(1/2) = 0.87750, A = -2: 1.75499 per token
+    loss, _, _ = _loss("grpo", importance_sampling_level="sequence")
+    assert loss.item() == pytest.approx((-(0.75 ** (1 / 3)) + 2 * 0.77**0.5) / 2, rel=1e-6)
+
+
+def test_k3_kl_penalty():
+    # ref - logp = d; k3 = e^d - d - 1. Row 0: d = ln(2) - ln(1.5) etc.; check against a plain loop.
+    ref = torch.log(torch.tensor([[2.0, 1.0, 0.25], [1.1, 1.4, 9.0]]))
+    beta = 0.1
+    loss_kl, metrics = policy_loss(
+        RATIOS.log(), torch.zeros(2, 3), ADV, MASK, loss_type="bnpo", norm=Normalisation(4), beta=beta, ref_logprobs=ref
+    )
+    kl = []
+    for i in range(2):
+        for t in range(3):
+            if MASK[i, t]:
+                d = math.log(ref[i, t].exp().item()) - math.log(RATIOS[i, t].item())
+                kl.append(math.exp(d) - d - 1)
+    assert metrics["kl"].item() == pytest.approx(sum(kl) / 5, rel=1e-5)
+    assert loss_kl.item() == pytest.approx(1.1 / 5 + beta * sum(kl) / 5, rel=1e-5)
+
+
+def test_kl_needs_reference_logprobs():
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        _loss("grpo", beta=0.1)
+
+
+def test_advantages_group_batch_none():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    # group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735; group 2: all equal -> 0
+    adv, stats = group_advantages(r, 4, "group")
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    assert adv.tolist() == pytest.approx([a, -a, -a, a, 0, 0, 0, 0], rel=1e-6)
+    assert stats["frac_groups_zero_std"].item() == 0.5
+    # batch: mean 0.25, var (2 * 0.5625 + 6 * 0.0625) / 7 = 0.2142857
+    adv, _ = group_advantages(r, 4, "batch")
+    b = 0.5 / (math.sqrt(1.5 / 7) + 1e-4)
+    assert adv.tolist() == pytest.approx([b, -b, -b, b, 0, 0, 0, 0], rel=1e-6)
+    adv, _ = group_advantages(r, 4, "none")
+    assert adv.tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+
+
+def test_nan_rewards_are_left_out_of_group_statistics():
+    # valid [1, 0, 0]: mean 1/3, unbiased std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3)
+    adv, _ = group_advantages(torch.tensor([1.0, float("nan"), 0.0, 0.0]), 4, "group")
+    s = math.sqrt(1 / 3) + 1e-4
+    assert adv.tolist() == pytest.approx([(2 / 3) / s, 0.0, -(1 / 3) / s, -(1 / 3) / s], rel=1e-6)
+    adv, _ = group_advantages(torch.full((4,), float("nan")), 4, "group")
+    assert adv.tolist() == [0.0] * 4
+
+
+def test_advantages_reject_partial_groups():
+    with pytest.raises(ValueError, match="G=4"):
+        group_advantages(torch.zeros(6), 4)
+
+
+def test_token_logprobs_apply_temperature():
+    # logits [0, ln 3]: p = [1/4, 3/4]. At T=2 the logits halve: p1 = sqrt(3) / (1 + sqrt(3)).
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])
+    tok = torch.tensor([[1]])
+    assert token_logprobs(logits, tok).item() == pytest.approx(math.log(0.75))
+    assert token_logprobs(logits, tok, 2.0).item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))))
+
+
+def test_bf16_logprobs_match_a_plain_fp32_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 50)
+    tok = torch.randint(50, (3, 5))
+    ref = torch.log_softmax(logits.to(torch.bfloat16).float(), -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(token_logprobs(logits.to(torch.bfloat16), tok), ref, atol=1e-6)

@@ -1,0 +1,80 @@
+"""Config loading, overrides and validation, through the real CLI where it matters."""
+
+import pytest
+
+from conftest import run_cli
+from tandem.cli import build_parser
+from tandem.trainer.config import ConfigError, TrainConfig, config_from_args
+
+BASE = ["train", "--model_name_or_path", "/nonexistent/model", "--dataset_name", "/nonexistent/data.jsonl", "--reward_funcs", "exact_match"]
+
+
+def _config(*extra, config_file=None) -> TrainConfig:
+    argv = BASE + list(extra) + (["--config", str(config_file)] if config_file else [])
+    return config_from_args(build_parser().parse_args(argv))
+
+
+def test_yaml_then_command_line_overrides(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("learning_rate: 1e-5\nnum_generations: 4\nper_device_train_batch_size: 8\nreward_weights: [2]\n")
+    cfg = _config("--learning_rate", "3e-4", config_file=f)
+    assert cfg.learning_rate == 3e-4  # command line wins
+    assert cfg.num_generations == 4  # from YAML
+    assert cfg.reward_weights == [2.0]
+    assert cfg.steps_per_generation == cfg.gradient_accumulation_steps == 1
+    assert cfg.epsilon_high == cfg.epsilon
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (["--num_generations", "1"], "num_generations"),
+        (["--num_generations", "3", "--per_device_train_batch_size", "8"], "per_device_train_batch_size"),
+        (["--epsilon", "0"], "epsilon"),
+        (["--epsilon", "-0.1"], "epsilon"),
+        (["--loss_type", "ppo"], "loss_type"),
+        (["--scale_rewards", "median"], "scale_rewards"),
+        (["--temperature", "0"], "temperature"),
+        (["--reward_weights", "1", "2"], "reward_weights"),
+        (["--gradient_accumulation_steps", "2", "--steps_per_generation", "3"], "steps_per_generation"),
+        (["--max_steps", "0"], "max_steps"),
+    ],
+)
+def test_bad_values_name_the_field(extra, field):
+    with pytest.raises(ConfigError, match=field):
+        _config(*extra)
+
+
+def test_unknown_yaml_key_fails_with_a_suggestion(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("learning_rte: 1e-5\n")
+    with pytest.raises(ConfigError, match="unknown key 'learning_rte'.*did you mean 'learning_rate'"):
+        _config(config_file=f)
+
+
+def test_wrong_yaml_type_names_the_field(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("num_generations: eight\n")
+    with pytest.raises(ConfigError, match="num_generations"):
+        _config(config_file=f)
+
+
+def test_bad_config_fails_through_the_cli_before_the_model_loads(tmp_path):
+    # The model path does not exist: the error must be about the field, reached before any load.
+    proc = run_cli(*BASE, "--num_generations", "1", "--output_dir", tmp_path / "run")
+    assert proc.returncode == 2
+    assert "num_generations" in proc.stderr and "/nonexistent/model" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_command_line_option_fails():
+    proc = run_cli(*BASE, "--learning_rte", "1e-5")
+    assert proc.returncode == 2 and "learning_rte" in proc.stderr
+
+
+def test_help_explains_every_option():
+    proc = run_cli("train", "--help")
+    assert proc.returncode == 0
+    for name in TrainConfig.__dataclass_fields__:
+        assert f"--{name}" in proc.stdout, name
+    assert "Completions per prompt" in proc.stdout

@@ -1,0 +1,113 @@
+"""Datasets in every file format, row checks, chat formatting, truncation, the group sampler."""
+
+import json
+
+import pytest
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset, prompt_text
+
+ROWS = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(5)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "disk"])
+def test_every_format_loads_the_same_rows(tmp_path, fmt):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
+    ds = Dataset.from_list(rows)
+    path = tmp_path / f"data.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "json":
+        ds.to_json(path, lines=False)
+    elif fmt == "parquet":
+        ds.to_parquet(path)
+    elif fmt == "csv":
+        ds.to_csv(path, index=False)
+    else:
+        path = tmp_path / "saved"
+        ds.save_to_disk(path)
+    loaded = load_prompt_dataset(str(path))
+    assert loaded["prompt"] == [r["prompt"] for r in rows]
+    assert [str(a) for a in loaded["answer"]] == [r["answer"] for r in rows]
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"question": "x"}], "no 'prompt' column"),
+        ([{"prompt": "ok"}, {"prompt": ""}], "row 1: 'prompt' is an empty string"),
+        ([{"prompt": [{"role": "user"}]}], "row 0: message 0 must be a dict with string 'role' and 'content'"),
+    ],
+)
+def test_bad_rows_name_the_row(tmp_path, rows, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=message):
+        load_prompt_dataset(str(path))
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompt_dataset(str(tmp_path / "nope.jsonl"))
+
+
+def test_chat_prompts_use_the_template_and_strings_do_not(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert prompt_text(tok, ROWS[0]["prompt"]) == "<|im_start|>user\n0+1=<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt_text(tok, "plain text") == "plain text"
+
+
+def test_truncation_policies(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    full = encode_prompt(tok, "abcdefgh", None, "error")
+    assert len(full) == 8
+    assert encode_prompt(tok, "abcdefgh", 3, "left") == full[-3:]
+    assert encode_prompt(tok, "abcdefgh", 3, "skip") is None
+    with pytest.raises(ValueError, match="max_prompt_length=3"):
+        encode_prompt(tok, "abcdefgh", 3, "error")
+
+
+def _stream(sampler, rounds):
+    return [sampler.next_round()[0] for _ in range(rounds)]
+
+
+def test_sampler_is_deterministic_and_covers_each_epoch():
+    a, b = GroupSampler(10, 5, seed=3), GroupSampler(10, 5, seed=3)
+    rounds = _stream(a, 4)
+    assert rounds == _stream(b, 4)
+    assert sorted(rounds[0] + rounds[1]) == list(range(10))  # epoch 0
+    assert sorted(rounds[2] + rounds[3]) == list(range(10))  # epoch 1
+    assert rounds[0] + rounds[1] != rounds[2] + rounds[3]  # reshuffled
+    assert _stream(GroupSampler(10, 5, seed=4), 2) != rounds[:2]
+
+
+def test_sampler_rounds_straddle_epochs_when_size_does_not_divide():
+    s = GroupSampler(7, 3, seed=0)
+    rounds = _stream(s, 7)  # 21 prompts = 3 epochs exactly
+    flat = [i for r in rounds for i in r]
+    for e in range(3):
+        assert sorted(flat[7 * e : 7 * e + 7]) == list(range(7))
+    assert all(len(r) == 3 for r in rounds)
+
+
+def test_sampler_state_restores_exactly():
+    s = GroupSampler(7, 3, seed=0)
+    _stream(s, 2)
+    state = s.state_dict()
+    expected = _stream(s, 5)
+    t = GroupSampler(7, 3, seed=0)
+    t.load_state_dict(state)
+    assert _stream(t, 5) == expected
+    with pytest.raises(ValueError, match="same seed"):
+        GroupSampler(7, 3, seed=1).load_state_dict(state)
+
+
+def test_ranks_split_the_single_process_stream():
+    single = GroupSampler(9, 4, seed=1)
+    ranks = [GroupSampler(9, 2, seed=1, rank=r, world_size=2) for r in range(2)]
+    for _ in range(5):
+        whole, slots = single.next_round()
+        parts = [s.next_round() for s in ranks]
+        assert parts[0][0] + parts[1][0] == whole
+        assert parts[0][1] + parts[1][1] == slots == [0, 1, 2, 3]
