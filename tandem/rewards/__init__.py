@@ -53,7 +53,10 @@ def load_rewards(specs: list[str], weights: list[float] | None) -> list[NamedRew
         weights = [1.0] * len(specs)
     if len(weights) != len(specs):
         raise ValueError(f"reward_weights has {len(weights)} values for {len(specs)} reward_funcs; give one weight each")
-    return [NamedReward(spec, load_reward_fn(spec), float(w)) for spec, w in zip(specs, weights)]
+    names = [spec.rsplit(":", 1)[-1] for spec in specs]  # metrics say "digit_fraction", not the file path
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward_funcs {specs} has two functions of the same name; their metrics would collide")
+    return [NamedReward(name, load_reward_fn(spec), float(w)) for name, spec, w in zip(names, specs, weights)]
 
 
 def score(rewards: list[NamedReward], prompts: list, completions: list, **kwargs) -> torch.Tensor:

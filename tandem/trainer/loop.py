@@ -248,6 +248,7 @@ class Trainer:
                         **{k: torch.stack(v).mean() for k, v in stats.items()},
                     }
                     record = self._mean_across_ranks(record)
+                    record.setdefault("kl", None)  # no reference model when beta = 0
                     round_seconds = time.perf_counter() - round_start
                     record.update(self._round_metrics(rnd, all_table, all_rewards, adv_stats, lengths, truncated, round_seconds, first))
                     record["time/train"] = time.perf_counter() - t_train - sync_seconds

@@ -1,0 +1,95 @@
+"""The transformers engine: reproducible per-sequence sampling, behaviour log-probs, stopping."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem.rollout.engine import TransformersEngine
+from tandem.rollout.sampling import filter_logits, sample
+from tandem.rollout.types import Rollout, SamplingParams
+from tandem.trainer.loop import collate, completion_logprobs
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    return TransformersEngine(model, [tok.eos_token_id], tok.pad_token_id), tok
+
+
+PROMPTS = [[1, 120, 118, 104, 117, 13, 54, 46, 55], [5, 6, 7], [1, 100, 101]]
+
+
+def test_a_sequence_depends_on_its_seed_not_on_its_batch(engine):
+    eng, _ = engine
+    p = SamplingParams(max_tokens=12)
+    alone = eng.generate([PROMPTS[0]], p, [11])[0]
+    # the same prompt and seed in the middle of a batch of longer and shorter prompts
+    batched = eng.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], p, [5, 11, 7])[1]
+    assert batched.token_ids == alone.token_ids
+    assert batched.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    other_seed = eng.generate([PROMPTS[0]], p, [12])[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_behaviour_logprobs_equal_the_trainers_recompute(engine):
+    eng, tok = engine
+    params = SamplingParams(max_tokens=10, temperature=0.7, top_k=20)
+    outs = eng.generate(PROMPTS, params, [1, 2, 3])
+    rollouts = [Rollout(0, 0, p, o.token_ids, o.logprobs, o.finish_reason, 0) for p, o in zip(PROMPTS, outs)]
+    mb = collate(rollouts, tok.pad_token_id, "cpu", False)
+    with torch.no_grad():
+        logps, _ = completion_logprobs(eng.model, mb, 0.7)
+    for i, o in enumerate(outs):
+        assert logps[i, : len(o.token_ids)].tolist() == pytest.approx(o.logprobs, abs=1e-5)
+
+
+def test_stops_at_eos_or_length(engine):
+    eng, tok = engine
+    outs = eng.generate([PROMPTS[0]] * 16, SamplingParams(max_tokens=6), list(range(16)))
+    for o in outs:
+        assert len(o.token_ids) == len(o.logprobs)
+        if o.finish_reason == "stop":
+            assert o.token_ids[-1] == tok.eos_token_id and tok.eos_token_id not in o.token_ids[:-1]
+        else:
+            assert o.finish_reason == "length" and len(o.token_ids) == 6
+    assert {o.finish_reason for o in outs} == {"stop", "length"}, "the seeds should give both endings"
+
+
+def test_greedy_matches_argmax_of_a_plain_forward(engine):
+    eng, _ = engine
+    out = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=4, top_k=1), [0])[0]
+    ids = list(PROMPTS[0])
+    for t in out.token_ids:
+        with torch.no_grad():
+            logits = eng.model(torch.tensor([ids])).logits[0, -1]
+        assert t == int(logits.argmax())
+        ids.append(t)
+
+
+def test_sample_follows_the_distribution():
+    # p = [1/4, 3/4]; 4000 draws: std of the frequency sqrt(3/16/4000) = 0.0068, tolerance ~4.4 std
+    logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(4000, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    freq = sample(logits, gens).float().mean().item()
+    assert abs(freq - 0.75) < 0.03
+
+
+def test_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    keep = lambda x: torch.isfinite(x)[0].tolist()  # noqa: E731
+    # top_p 0.7: token 2 has 0.8 above it -> dropped; token 1 has 0.5 above it -> kept
+    assert keep(filter_logits(logits, 0, 0.7, 0.0)) == [True, True, False]
+    assert keep(filter_logits(logits, 0, 0.4, 0.0)) == [True, False, False]
+    assert keep(filter_logits(logits, 2, 1.0, 0.0)) == [True, True, False]
+    # min_p 0.5: floor 0.25 -> 0.2 dropped
+    assert keep(filter_logits(logits, 0, 1.0, 0.5)) == [True, True, False]
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 0.0), ("top_p", 0.0), ("top_k", -1), ("max_tokens", 0), ("min_p", 1.0)])
+def test_bad_sampling_params(engine, field, value):
+    eng, _ = engine
+    with pytest.raises(ValueError, match=field):
+        eng.generate([PROMPTS[0]], SamplingParams(**{field: value}), [0])
