@@ -16,6 +16,12 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout(args: argparse.Namespace) -> int:
+    from tandem.rollout.server import serve
+
+    return serve(args)
+
+
 def _init_model(args: argparse.Namespace) -> int:
     from tandem.init_model import init_model
 
@@ -71,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(p)
     p.set_defaults(run=_train)
+
+    p = sub.add_parser(
+        "rollout",
+        help="serve generation and weight updates over HTTP for `tandem train --rollout_mode server`",
+        description="The rollout server: generation, versioned weight updates, health. Binds 127.0.0.1 unless told otherwise.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from tandem.rollout.server import add_arguments as add_server_arguments
+
+    add_server_arguments(p)
+    p.set_defaults(run=_rollout)
 
     p = sub.add_parser("init-model", help="write a small random-init model with tokenizer and chat template (no network)")
     p.add_argument("out", help="folder to write the model to (HF format, loads with AutoModelForCausalLM)")

@@ -18,6 +18,14 @@ class Engine(Protocol):
         """One completion per prompt; prompt i is sampled with its own seed seeds[i]."""
         ...
 
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights a trainer pushes, by name."""
+        ...
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Replace every weight; checks all names and shapes before changing anything."""
+        ...
+
 
 class TransformersEngine:
     """Batched sampling with a KV cache on any transformers causal LM.
@@ -40,6 +48,22 @@ class TransformersEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.model.named_parameters())
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(params) - set(weights))
+        unknown = sorted(set(weights) - set(params))
+        if missing or unknown:
+            raise ValueError(f"weight update does not match the model: missing {missing[:5]}, unknown {unknown[:5]}")
+        for name, t in weights.items():
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ValueError(f"weight {name}: shape {tuple(t.shape)} does not match the model's {tuple(params[name].shape)}")
+        for name, t in weights.items():
+            params[name].copy_(t)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
@@ -122,6 +146,7 @@ class TransformersEngine:
                     token_ids=row[:length],
                     logprobs=logp_mat[i, :length].tolist(),
                     finish_reason="stop" if finished_by_eos[i] else "length",
+                    version=self.version,
                 )
             )
         return results

@@ -40,6 +40,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # behaviour log-prob of each token, log softmax(logits / temperature)
     finish_reason: str  # one of FINISH_REASONS
+    version: int = 0  # policy version of the weights that generated it
 
 
 @dataclass

@@ -17,7 +17,8 @@ from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
 from tandem.data import PROMPT_TRUNCATION
 from tandem.rollout.types import SamplingParams
 
-ROLLOUT_MODES = ("colocate",)
+ROLLOUT_MODES = ("colocate", "server")
+WEIGHT_TRANSPORTS = ("auto", "http", "shm")
 
 
 def opt(default, help: str, section: str):
@@ -41,7 +42,13 @@ class TrainConfig:
     seed: int = opt(42, "Seed for init, data order and every sampled completion.", "model and data")
 
     # --- generation ---
-    rollout_mode: str = opt("colocate", "Where completions are generated: 'colocate' runs the engine on the trainer's own model.", "generation")
+    rollout_mode: str = opt("colocate", "Where completions are generated: 'colocate' runs the engine on the trainer's own model; 'server' asks `tandem rollout` servers.", "generation")
+    rollout_server_urls: list[str] = opt(["http://127.0.0.1:8000"], "Rollout servers (server mode): requests are spread over them, weights pushed to all.", "generation")
+    rollout_server_timeout: float = opt(240.0, "Seconds to wait for a server to be healthy at start, and to retry a failing call, before stopping with an error.", "generation")
+    rollout_connect_timeout: float = opt(5.0, "Seconds to wait for a TCP connection to a server.", "generation")
+    rollout_request_timeout: float = opt(600.0, "Seconds to wait for the answer to one request (a whole round's generation).", "generation")
+    rollout_api_key: str | None = opt(None, "Key the servers were started with (--api-key); sent as a Bearer token.", "generation")
+    weight_transport: str = opt("auto", "How weights reach the servers: 'shm' (shared memory, same host), 'http' (safetensors over HTTP), 'auto' (shm when the server is on this host).", "generation")
     num_generations: int = opt(8, "Completions per prompt (G); advantages are relative within these groups.", "generation")
     max_completion_length: int = opt(256, "Most tokens generated per completion.", "generation")
     temperature: float = opt(1.0, "Sampling temperature; log-probs in the loss use the same temperature.", "generation")
@@ -114,6 +121,10 @@ class TrainConfig:
         need(bool(self.model_name_or_path), "model_name_or_path", "give a model folder or hub name (e.g. one made by `tandem init-model runs/model`)")
         need(bool(self.dataset_name), "dataset_name", "give a prompt file (.jsonl/.json/.parquet/.csv) or a dataset name")
         need(self.rollout_mode in ROLLOUT_MODES, "rollout_mode", f"must be one of {ROLLOUT_MODES}")
+        need(not (self.rollout_mode == "server" and not self.rollout_server_urls), "rollout_server_urls", "give at least one server URL in server mode")
+        need(self.rollout_server_timeout > 0, "rollout_server_timeout", "must be > 0 seconds")
+        need(self.rollout_connect_timeout > 0 and self.rollout_request_timeout > 0, "rollout_request_timeout", "timeouts must be > 0 seconds")
+        need(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport", f"must be one of {WEIGHT_TRANSPORTS}")
         need(self.num_generations >= 2, "num_generations", "must be >= 2: advantages compare completions within a group")
         need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
         need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")

@@ -23,7 +23,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from tandem import rewards as rewards_lib
 from tandem.algo import Normalisation, entropy_from_logits, group_advantages, policy_loss, token_logprobs
 from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset
+from tandem.rollout.client import RemoteEngine, RolloutClient
 from tandem.rollout.engine import TransformersEngine
+from tandem.rollout.weights import fingerprint
 from tandem.rollout.types import Rollout
 from tandem.trainer.checkpoint import save_checkpoint
 from tandem.trainer.config import TrainConfig
@@ -160,8 +162,12 @@ class Trainer:
         )
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
 
-        eos_ids = self._eos_ids(model)
-        self.engine = TransformersEngine(self.accelerator.unwrap_model(self.model), eos_ids, self.tokenizer.pad_token_id)
+        self.client = None
+        if config.rollout_mode == "server":
+            self.engine = self._connect()
+        else:
+            eos_ids = self._eos_ids(model)
+            self.engine = TransformersEngine(self.accelerator.unwrap_model(self.model), eos_ids, self.tokenizer.pad_token_id)
         G = config.num_generations
         self.sampler = GroupSampler(
             len(self.table.prompt_ids), config.completions_per_round() // G, config.seed, self.rank, self.world, config.shuffle_dataset
@@ -172,6 +178,32 @@ class Trainer:
         self.global_step = 0
         self.metrics_log = JsonlWriter(self.out / "metrics.jsonl") if self.is_main else None
         self.completions_log = JsonlWriter(self.out / "completions.jsonl") if self.is_main else None
+
+    def _connect(self) -> RemoteEngine:
+        """Wait for the servers, then make them hold the trainer's weights at version 0."""
+        cfg = self.config
+        self.client = RolloutClient(
+            cfg.rollout_server_urls,
+            api_key=cfg.rollout_api_key,
+            connect_timeout=cfg.rollout_connect_timeout,
+            request_timeout=cfg.rollout_request_timeout,
+            server_timeout=cfg.rollout_server_timeout,
+            transport=cfg.weight_transport,
+        )
+        engine = RemoteEngine(self.client)
+        infos = self.client.wait_until_ready()
+        for url, info in zip(cfg.rollout_server_urls, infos):
+            if info["vocab_size"] < len(self.tokenizer):
+                raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {len(self.tokenizer)}")
+        if self.is_main:
+            mine = fingerprint(self._policy_weights())
+            if any(fp["fingerprint"] != mine or fp["version"] != 0 for fp in self.client.fingerprints()):
+                engine.push(self._policy_weights(), version=0, force=True)
+        self.accelerator.wait_for_everyone()
+        return engine
+
+    def _policy_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.accelerator.unwrap_model(self.model).named_parameters())
 
     def _eos_ids(self, model) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -311,9 +343,17 @@ class Trainer:
         return grad_norm
 
     def _sync_weights(self) -> float:
-        """Colocated: the engine runs on the trainer's own parameters, so only the version moves."""
+        """The engine gets the new weights and the version moves by one. Colocated, the engine
+        already runs on the trainer's parameters; in server mode rank 0 pushes them to every
+        server and the other ranks only advance their version gate."""
         t = time.perf_counter()
-        self.engine.version += 1
+        version = self.engine.version + 1
+        if self.client is None:
+            self.engine.version = version
+        elif self.is_main:
+            self.engine.push(self._policy_weights(), version)
+        else:
+            self.engine.version = version
         return time.perf_counter() - t
 
     @torch.no_grad()
@@ -426,6 +466,8 @@ class Trainer:
         )
 
     def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
         for w in (self.metrics_log, self.completions_log):
             if w is not None:
                 w.close()

@@ -82,7 +82,6 @@ class SyncProducer:
 
         t0 = time.perf_counter()
         outs = self.engine.generate(prompt_ids, self.params, seeds)
-        version = self.engine.version
         t1 = time.perf_counter()
         rollouts = [
             Rollout(
@@ -92,7 +91,7 @@ class SyncProducer:
                 completion_ids=out.token_ids,
                 behav_logprobs=out.logprobs,
                 finish_reason=out.finish_reason,
-                version=version,
+                version=out.version,
             )
             for k, out in enumerate(outs)
         ]

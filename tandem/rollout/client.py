@@ -1,0 +1,186 @@
+"""The trainer's side of the rollout server: timeouts, retries with backoff, health, several
+servers (requests spread over them, weights pushed to all), and an Engine that runs remotely."""
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
+
+import requests
+import torch
+from safetensors.torch import save, save_file
+
+from tandem.rollout.types import Completion, SamplingParams
+from tandem.rollout.weights import SHM_DIR, buckets, host_id, shm_available
+
+RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server could not serve a request; the message names it and what was tried."""
+
+
+class RolloutClient:
+    """Talks to one or more rollout servers.
+
+    Connection errors and 502/503/504 answers are retried with exponential backoff (0.1 s doubling
+    to 5 s) until `server_timeout` seconds have passed for that call; every other 4xx/5xx fails at
+    once with the server's message. Every HTTP request has a connect and a read timeout.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        api_key: str | None = None,
+        connect_timeout: float = 5.0,
+        request_timeout: float = 600.0,
+        server_timeout: float = 240.0,
+        weight_bucket_bytes: int = 512 * 2**20,
+        transport: str = "auto",
+    ):
+        if not urls:
+            raise ValueError("rollout_server_urls is empty; give the URL of at least one `tandem rollout` server")
+        if transport not in ("auto", "http", "shm"):
+            raise ValueError(f"weight transport must be auto, http or shm, got {transport!r}")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = (connect_timeout, request_timeout)
+        self.server_timeout = server_timeout
+        self.bucket_bytes = weight_bucket_bytes
+        self.transport = transport
+        self.session = requests.Session()
+        self.pool = ThreadPoolExecutor(max_workers=max(2, len(self.urls)), thread_name_prefix="tandem-client")
+        self._same_host: dict[str, bool] = {}
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _call(self, method: str, url: str, path: str, what: str, **kw) -> dict:
+        deadline = time.monotonic() + self.server_timeout
+        delay, attempts, last = 0.1, 0, ""
+        while True:
+            attempts += 1
+            try:
+                r = self.session.request(method, url + path, headers=self.headers, timeout=self.timeout, **kw)
+                if r.status_code < 400:
+                    return r.json()
+                message = _error_text(r)
+                if r.status_code not in RETRY_STATUS:
+                    raise RolloutServerError(f"rollout server {url} refused {what} ({method} {path}): HTTP {r.status_code}: {message}")
+                last = f"HTTP {r.status_code}: {message}"
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() + delay > deadline:
+                raise RolloutServerError(
+                    f"rollout server {url} did not answer {what} ({method} {path}) within rollout_server_timeout="
+                    f"{self.server_timeout}s after {attempts} attempts; last error: {last}. Is `tandem rollout` running there?"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _each(self, fn, items: Iterable) -> list:
+        """fn over items, concurrently; the first failure is raised with its cause."""
+        return [f.result() for f in [self.pool.submit(fn, item) for item in items]]
+
+    # ------------------------------------------------------------------ API
+
+    def wait_until_ready(self) -> list[dict]:
+        """Wait for every server's /health to say ready, then return their /info."""
+
+        def one(url):
+            deadline = time.monotonic() + self.server_timeout
+            while True:
+                status = self._call("GET", url, "/health", "a health check")
+                if status["status"] == "ready":
+                    return self._call("GET", url, "/info", "an info request")
+                if time.monotonic() > deadline:
+                    raise RolloutServerError(f"rollout server {url} was still loading its model after rollout_server_timeout={self.server_timeout}s")
+                time.sleep(0.5)
+
+        return self._each(one, self.urls)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0, version_timeout: float = 0.0
+    ) -> list[Completion]:
+        """One completion per prompt (with its seed), spread in contiguous parts over the servers."""
+        k = len(self.urls)
+        bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
+        parts = [(url, bounds[i], bounds[i + 1]) for i, url in enumerate(self.urls) if bounds[i + 1] > bounds[i]]
+
+        def one(part):
+            url, lo, hi = part
+            body = {
+                "prompts": prompts[lo:hi],
+                "n": 1,
+                "sampling": params.to_dict(),
+                "seeds": seeds[lo:hi],
+                "min_version": min_version,
+                "version_timeout": version_timeout,
+            }
+            out = self._call("POST", url, "/generate", "a generate request", json=body)["completions"]
+            if len(out) != hi - lo:
+                raise RolloutServerError(f"rollout server {url} returned {len(out)} completions for {hi - lo} prompts")
+            return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], c["version"]) for c in out]
+
+        return [c for part in self._each(one, parts) for c in part]
+
+    def push_weights(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False) -> list[int]:
+        """Send every weight to every server as one atomic update that makes `version` live."""
+        named = [(n, t.detach().contiguous().cpu()) for n, t in named]
+
+        def one(url):
+            handle = self._call("POST", url, "/weights/begin", "a weight update", json={"version": version, "force": force, "num_tensors": len(named)})
+            uid = handle["update_id"]
+            for bucket in buckets(named, self.bucket_bytes):
+                if self._use_shm(url):
+                    path = SHM_DIR / f"tandem-{uuid.uuid4().hex}.safetensors"
+                    try:
+                        save_file(bucket, path)
+                        self._call("POST", url, f"/weights/{uid}/file", "a weight file", json={"path": str(path)})
+                    finally:
+                        path.unlink(missing_ok=True)
+                else:
+                    self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", data=save(bucket),
+                               headers={**self.headers, "Content-Type": "application/octet-stream"})  # fmt: skip
+            got = self._call("POST", url, f"/weights/{uid}/commit", "a weight commit")["version"]
+            if got != version:
+                raise RolloutServerError(f"rollout server {url} reports version {got} after the update, expected {version}")
+            return got
+
+        return self._each(one, self.urls)
+
+    def fingerprints(self) -> list[dict]:
+        return self._each(lambda url: self._call("GET", url, "/weights/fingerprint", "a fingerprint request"), self.urls)
+
+    def _use_shm(self, url: str) -> bool:
+        if self.transport != "auto":
+            return self.transport == "shm"
+        if url not in self._same_host:
+            info = self._call("GET", url, "/info", "an info request")
+            self._same_host[url] = info["host_id"] == host_id() and shm_available()
+        return self._same_host[url]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.session.close()
+
+
+def _error_text(r: requests.Response) -> str:
+    try:
+        return r.json().get("error", r.text)
+    except ValueError:
+        return r.text[:500]
+
+
+class RemoteEngine:
+    """The Engine interface over RolloutClient: the producer cannot tell it from a local engine."""
+
+    def __init__(self, client: RolloutClient):
+        self.client = client
+        self.version = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        return self.client.generate(prompts, params, seeds, min_version=self.version, version_timeout=self.client.server_timeout)
+
+    def push(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False) -> None:
+        self.client.push_weights(named, version, force)
+        self.version = version

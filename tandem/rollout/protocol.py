@@ -1,0 +1,85 @@
+"""The rollout server's wire format: pydantic models, JSON only (no pickle crosses the wire)."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not a silent default
+
+
+class Sampling(_Strict):
+    max_tokens: int = Field(256, ge=1, description="Most tokens generated per completion.")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    min_p: float = Field(0.0, ge=0, lt=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+
+
+class GenerateRequest(_Strict):
+    prompts: list[list[int]] = Field(..., min_length=1, description="Prompts as token-id lists.")
+    n: int = Field(1, ge=1, description="Completions per prompt.")
+    sampling: Sampling = Sampling()
+    seeds: list[int] = Field(..., description="One seed per completion, len(prompts) * n, prompt-major.")
+    min_version: int = Field(0, ge=0, description="Generate only with weights of at least this policy version.")
+    version_timeout: float = Field(0.0, ge=0, le=3600, description="Seconds to wait for min_version to go live.")
+
+
+class CompletionOut(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length", "error"]
+    version: int
+
+
+class GenerateResponse(BaseModel):
+    completions: list[CompletionOut]  # len(prompts) * n, prompt-major
+
+
+class Health(BaseModel):
+    status: Literal["loading", "ready"]
+    version: int
+
+
+class Info(BaseModel):
+    model: str
+    engine: str
+    dtype: str
+    device: str
+    version: int
+    vocab_size: int
+    max_model_len: int
+    max_batch_tokens: int
+    max_request_bytes: int
+    max_weight_chunk_bytes: int
+    host_id: str  # equal for processes on one host: lets a client pick the shared-memory path
+
+
+class WeightUpdateBegin(_Strict):
+    version: int = Field(..., ge=0, description="The version this update makes live; must be the current one + 1 unless force.")
+    force: bool = Field(False, description="Accept any version (a trainer (re)starting makes the server match it).")
+    num_tensors: int = Field(..., ge=1)
+
+
+class WeightUpdateHandle(BaseModel):
+    update_id: str
+
+
+class WeightFile(_Strict):
+    path: str = Field(..., description="A safetensors file in shared memory on the server's host.")
+
+
+class WeightCommitResult(BaseModel):
+    version: int
+    fingerprint: str
+
+
+class Fingerprint(BaseModel):
+    version: int
+    fingerprint: str
+
+
+class ErrorBody(BaseModel):
+    error: str

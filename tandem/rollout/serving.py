@@ -1,0 +1,230 @@
+"""The rollout server's logic, apart from HTTP: request batching, the version gate, atomic
+versioned weight updates. It depends only on the engine interface."""
+
+import threading
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.rollout.engine import Engine
+from tandem.rollout.types import Completion, SamplingParams
+from tandem.rollout.weights import fingerprint
+
+
+class NotReady(RuntimeError):
+    """The engine is still loading."""
+
+
+class VersionConflict(RuntimeError):
+    """A version the server cannot serve or accept."""
+
+
+class UnknownUpdate(KeyError):
+    """A weight-update id the server does not hold."""
+
+
+@dataclass
+class _Job:
+    prompts: list[list[int]]
+    seeds: list[int]
+    params: SamplingParams
+    tokens: int
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Staged:
+    version: int
+    force: bool
+    num_tensors: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class RolloutService:
+    """Owns one engine. A single worker thread runs every engine call; concurrent requests with the
+    same sampling parameters are merged into one call of at most max_batch_tokens (prompt plus
+    max_tokens per sequence), oldest first, so no client starves. Weight commits take the same
+    lock as engine calls: a commit waits for the generation in flight, and no completion mixes
+    two versions."""
+
+    def __init__(self, max_batch_tokens: int = 65536, max_model_len: int = 4096, vocab_size: int = 0):
+        self.engine: Engine | None = None
+        self.max_batch_tokens = max_batch_tokens
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._engine_lock = threading.Lock()  # one engine call or weight commit at a time
+        self._cv = threading.Condition()  # guards _pending, _staged, and signals version changes
+        self._pending: deque[_Job] = deque()
+        self._staged: dict[str, _Staged] = {}
+        self._stopped = False
+        self._worker = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def set_engine(self, engine: Engine, vocab_size: int, max_model_len: int) -> None:
+        with self._cv:
+            self.engine, self.vocab_size, self.max_model_len = engine, vocab_size, max_model_len
+            self._cv.notify_all()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def version(self) -> int:
+        return self.engine.version if self.engine is not None else 0
+
+    def _need_engine(self) -> Engine:
+        if self.engine is None:
+            raise NotReady("the model is still loading; retry when /health says ready")
+        return self.engine
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._worker.join(timeout=5)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], min_version: int, version_timeout: float
+    ) -> list[Completion]:
+        """Completions (prompt-major, n per prompt), each stating the version that generated it."""
+        self._need_engine()
+        self._check(prompts, n, params, seeds)
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.version >= min_version or self._stopped, timeout=version_timeout):
+                raise VersionConflict(
+                    f"min_version {min_version} is not live: the server is at version {self.version} "
+                    f"and waited version_timeout={version_timeout}s for it"
+                )
+        sequences = [p for p in prompts for _ in range(n)]
+        jobs = self._split(sequences, seeds, params)
+        with self._cv:
+            self._pending.extend(jobs)
+            self._cv.notify_all()
+        results: list[Completion] = []
+        for job in jobs:
+            results += job.future.result()
+        return results
+
+    def _check(self, prompts, n, params: SamplingParams, seeds) -> None:
+        params.validate()
+        if len(seeds) != len(prompts) * n:
+            raise ValueError(f"seeds: got {len(seeds)}, need len(prompts) * n = {len(prompts) * n} (one per completion)")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise ValueError(f"prompts[{i}] has a token id outside [0, {self.vocab_size}) (the model's vocabulary)")
+            if len(p) + params.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompts[{i}]: {len(p)} prompt tokens + max_tokens {params.max_tokens} exceed the model's "
+                    f"max_model_len {self.max_model_len}"
+                )
+
+    def _split(self, sequences, seeds, params: SamplingParams) -> list[_Job]:
+        """Cut a request into jobs of at most max_batch_tokens (at least one sequence each)."""
+        jobs, cur, cur_seeds, tokens = [], [], [], 0
+        for p, s in zip(sequences, seeds):
+            cost = len(p) + params.max_tokens
+            if cur and tokens + cost > self.max_batch_tokens:
+                jobs.append(_Job(cur, cur_seeds, params, tokens))
+                cur, cur_seeds, tokens = [], [], 0
+            cur.append(p)
+            cur_seeds.append(s)
+            tokens += cost
+        jobs.append(_Job(cur, cur_seeds, params, tokens))
+        return jobs
+
+    def _take_batch(self) -> list[_Job]:
+        """The oldest job, plus later jobs with the same sampling parameters that still fit."""
+        head = self._pending.popleft()
+        batch, tokens, keep = [head], head.tokens, deque()
+        while self._pending:
+            job = self._pending.popleft()
+            if job.params == head.params and tokens + job.tokens <= self.max_batch_tokens:
+                batch.append(job)
+                tokens += job.tokens
+            else:
+                keep.append(job)
+        self._pending = keep
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: (self._pending and self.engine is not None) or self._stopped)
+                if self._stopped:
+                    for job in self._pending:
+                        job.future.set_exception(RuntimeError("the rollout server is shutting down"))
+                    return
+                batch = self._take_batch()
+            prompts = [p for job in batch for p in job.prompts]
+            seeds = [s for job in batch for s in job.seeds]
+            try:
+                with self._engine_lock:
+                    outs = self.engine.generate(prompts, batch[0].params, seeds)
+            except Exception as exc:  # noqa: BLE001 - handed to every waiting request, not swallowed
+                for job in batch:
+                    job.future.set_exception(exc)
+                continue
+            start = 0
+            for job in batch:
+                job.future.set_result(outs[start : start + len(job.prompts)])
+                start += len(job.prompts)
+
+    # ------------------------------------------------------------------ weights
+
+    def begin_update(self, version: int, force: bool, num_tensors: int) -> str:
+        engine = self._need_engine()
+        if not force and version != engine.version + 1:
+            raise VersionConflict(f"update to version {version} refused: the server is at {engine.version}, the next is {engine.version + 1}")
+        update_id = uuid.uuid4().hex
+        with self._cv:
+            self._staged = {update_id: _Staged(version, force, num_tensors)}  # an unfinished older update is dropped
+        return update_id
+
+    def stage(self, update_id: str, tensors: dict[str, torch.Tensor]) -> int:
+        """Hold tensors of an update aside; nothing is live until commit. Returns tensors staged so far."""
+        engine = self._need_engine()
+        params = dict(engine.named_weights())
+        for name, t in tensors.items():
+            if name not in params:
+                raise ValueError(f"weight {name!r} is not a parameter of the served model")
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match the model's {tuple(params[name].shape)}")
+        with self._cv:
+            staged = self._staged.get(update_id)
+            if staged is None:
+                raise UnknownUpdate(f"no weight update {update_id!r} in progress (a newer one replaced it, or it was committed)")
+            staged.tensors.update(tensors)
+            return len(staged.tensors)
+
+    def commit(self, update_id: str) -> int:
+        engine = self._need_engine()
+        with self._cv:
+            staged = self._staged.get(update_id)
+            if staged is None:
+                raise UnknownUpdate(f"no weight update {update_id!r} in progress")
+            if len(staged.tensors) != staged.num_tensors:
+                raise ValueError(f"update {update_id} has {len(staged.tensors)} of {staged.num_tensors} tensors; send the rest before commit")
+        with self._engine_lock:  # waits for the generation in flight
+            if not staged.force and staged.version != engine.version + 1:
+                raise VersionConflict(f"update to version {staged.version} refused at commit: the server is now at {engine.version}")
+            engine.load_weights(staged.tensors)
+            engine.version = staged.version
+        with self._cv:
+            self._staged.pop(update_id, None)
+            self._cv.notify_all()  # wake requests waiting on min_version
+        return staged.version
+
+    def fingerprint(self) -> tuple[int, str]:
+        engine = self._need_engine()
+        with self._engine_lock:
+            return engine.version, fingerprint(engine.named_weights())
