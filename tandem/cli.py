@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tandem.rollout.client import RolloutServerError
     from tandem.trainer.config import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tandem: config error: {exc}", file=sys.stderr)
         return 2
+    except RolloutServerError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ def build_app(
     device: str = "cpu",
 ) -> FastAPI:
     app = FastAPI(title="tandem rollout server", version="1")
+    app.add_middleware(BodyLimit, max_request_bytes=max_request_bytes, max_chunk_bytes=max_chunk_bytes)
 
     def authorised(request: Request) -> None:
         if api_key is None:
@@ -111,6 +112,7 @@ def build_app(
             max_request_bytes=max_request_bytes,
             max_weight_chunk_bytes=max_chunk_bytes,
             host_id=host_id(),
+            stats=dict(service.stats),
         )
 
     @app.post("/generate", response_model=P.GenerateResponse, dependencies=[Depends(authorised)])

@@ -60,6 +60,7 @@ class RolloutService:
         self._pending: deque[_Job] = deque()
         self._staged: dict[str, _Staged] = {}
         self._stopped = False
+        self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0}
         self._worker = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._worker.start()
 
@@ -106,6 +107,7 @@ class RolloutService:
         sequences = [p for p in prompts for _ in range(n)]
         jobs = self._split(sequences, seeds, params)
         with self._cv:
+            self.stats["requests"] += 1
             self._pending.extend(jobs)
             self._cv.notify_all()
         results: list[Completion] = []
@@ -165,6 +167,8 @@ class RolloutService:
                         job.future.set_exception(RuntimeError("the rollout server is shutting down"))
                     return
                 batch = self._take_batch()
+                self.stats["engine_calls"] += 1
+                self.stats["sequences"] += sum(len(job.prompts) for job in batch)
             prompts = [p for job in batch for p in job.prompts]
             seeds = [s for job in batch for s in job.seeds]
             try:

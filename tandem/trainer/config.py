@@ -48,6 +48,7 @@ class TrainConfig:
     rollout_connect_timeout: float = opt(5.0, "Seconds to wait for a TCP connection to a server.", "generation")
     rollout_request_timeout: float = opt(600.0, "Seconds to wait for the answer to one request (a whole round's generation).", "generation")
     rollout_api_key: str | None = opt(None, "Key the servers were started with (--api-key); sent as a Bearer token.", "generation")
+    verify_weight_sync: bool = opt(False, "After each push, compare the servers' weight fingerprints with the trainer's and stop on a mismatch (hashes every weight: slow for big models).", "generation")
     weight_transport: str = opt("auto", "How weights reach the servers: 'shm' (shared memory, same host), 'http' (safetensors over HTTP), 'auto' (shm when the server is on this host).", "generation")
     num_generations: int = opt(8, "Completions per prompt (G); advantages are relative within these groups.", "generation")
     max_completion_length: int = opt(256, "Most tokens generated per completion.", "generation")

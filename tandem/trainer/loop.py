@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from tandem import rewards as rewards_lib
 from tandem.algo import Normalisation, entropy_from_logits, group_advantages, policy_loss, token_logprobs
 from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset
-from tandem.rollout.client import RemoteEngine, RolloutClient
+from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.weights import fingerprint
 from tandem.rollout.types import Rollout
@@ -202,6 +202,15 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         return engine
 
+    def _verify_weights(self, version: int) -> None:
+        mine = fingerprint(self._policy_weights())
+        for url, fp in zip(self.config.rollout_server_urls, self.client.fingerprints()):
+            if fp["fingerprint"] != mine or fp["version"] != version:
+                raise RolloutServerError(
+                    f"rollout server {url} holds different weights after the push of version {version} "
+                    f"(server version {fp['version']}, fingerprint {fp['fingerprint'][:12]}, trainer {mine[:12]})"
+                )
+
     def _policy_weights(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.accelerator.unwrap_model(self.model).named_parameters())
 
@@ -352,6 +361,8 @@ class Trainer:
             self.engine.version = version
         elif self.is_main:
             self.engine.push(self._policy_weights(), version)
+            if self.config.verify_weight_sync:
+                self._verify_weights(version)
         else:
             self.engine.version = version
         return time.perf_counter() - t

@@ -1,0 +1,263 @@
+"""The rollout server as a real process on a loopback port, and the trainer against it."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from safetensors.torch import save
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import run_cli
+from tandem.rollout.client import RolloutClient
+from tandem.rollout.engine import TransformersEngine
+from tandem.rollout.types import SamplingParams
+from tandem.rollout.weights import fingerprint
+
+KEY = "test-key"
+PROMPT = [1, 120, 118, 104, 117, 13, 54, 46, 55]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`tandem rollout` in its own process."""
+
+    def __init__(self, model, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "rollout", "--model", str(model), "--port", str(self.port), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if requests.get(self.url + "/health", timeout=1).json()["status"] == "ready":
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server did not become ready")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    s = Server(tiny_model, "--api-key", KEY, "--max-request-bytes", "200000", "--max-batch-tokens", "4096")
+    yield s
+    s.stop()
+
+
+def call(server, method, path, key=KEY, **kw):
+    headers = kw.pop("headers", {})
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return requests.request(method, server.url + path, headers=headers, timeout=60, **kw)
+
+
+def gen_body(**over):
+    body = {"prompts": [PROMPT], "n": 2, "sampling": {"max_tokens": 5}, "seeds": [1, 2]}
+    body.update(over)
+    return body
+
+
+def test_health_info_and_openapi(server):
+    assert call(server, "GET", "/health", key=None).json() == {"status": "ready", "version": 0}
+    info = call(server, "GET", "/info").json()
+    assert info["engine"] == "TransformersEngine" and info["vocab_size"] == 259
+    assert "/generate" in call(server, "GET", "/openapi.json", key=None).json()["paths"]
+
+
+def test_generate_matches_a_local_engine_with_the_same_seeds(server, tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    local = TransformersEngine(AutoModelForCausalLM.from_pretrained(tiny_model), [tok.eos_token_id], tok.pad_token_id)
+    expected = local.generate([PROMPT, PROMPT], SamplingParams(max_tokens=5), [1, 2])
+    got = call(server, "POST", "/generate", json=gen_body()).json()["completions"]
+    assert [c["token_ids"] for c in got] == [e.token_ids for e in expected]
+    assert got[0]["logprobs"] == pytest.approx(expected[0].logprobs, abs=1e-5)
+    assert {c["version"] for c in got} == {0}
+
+
+@pytest.mark.parametrize(
+    "method, path, kw, status, words",
+    [
+        ("POST", "/generate", {"json": gen_body(prompts="abc")}, 422, "prompts"),
+        ("POST", "/generate", {"json": {"prompts": [PROMPT], "n": 1}}, 422, "seeds"),
+        ("POST", "/generate", {"json": gen_body(temperture=1.0)}, 422, "temperture"),
+        ("POST", "/generate", {"json": gen_body(sampling={"temperature": -1})}, 422, "temperature"),
+        ("POST", "/generate", {"data": b"{not json"}, 422, "invalid request"),
+        ("POST", "/generate", {"json": gen_body(prompts=[[99999]], seeds=[1, 2])}, 400, "vocabulary"),
+        ("POST", "/generate", {"json": gen_body(seeds=[1])}, 400, "seeds"),
+        ("POST", "/generate", {"json": gen_body(prompts=[[]])}, 400, "empty"),
+        ("POST", "/generate", {"json": gen_body(sampling={"max_tokens": 5000})}, 400, "max_model_len"),
+        ("POST", "/generate", {"json": gen_body(prompts=[PROMPT * 20000], seeds=[1, 2])}, 413, "limit"),
+        ("POST", "/generate", {"json": gen_body(min_version=3, version_timeout=0.2)}, 409, "min_version 3"),
+        ("POST", "/weights/begin", {"json": {"version": 999, "num_tensors": 1}}, 409, "update to version 999 refused"),
+        ("POST", "/weights/nosuch/commit", {}, 404, "nosuch"),
+        ("GET", "/info", {"key": "wrong"}, 401, "Authorization"),
+        ("POST", "/generate", {"key": None, "json": gen_body()}, 401, "Authorization"),
+    ],
+)
+def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving(server, method, path, kw, status, words):
+    r = call(server, method, path, **kw)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]
+    assert call(server, "POST", "/generate", json=gen_body()).status_code == 200
+
+
+def _begin(server, version, num_tensors, force=False):
+    r = call(server, "POST", "/weights/begin", json={"version": version, "num_tensors": num_tensors, "force": force})
+    assert r.status_code == 200, r.text
+    return r.json()["update_id"]
+
+
+def test_weight_updates_are_atomic_and_versioned(server, tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    before = call(server, "GET", "/weights/fingerprint").json()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    named = dict(model.named_parameters())
+    names = sorted(named)
+    version = before["version"] + 1
+
+    # half an update, then commit: refused, nothing changes
+    uid = _begin(server, version, len(names))
+    half = {n: named[n].detach() for n in names[: len(names) // 2]}
+    assert call(server, "PUT", f"/weights/{uid}/chunk", data=save(half)).status_code == 200
+    r = call(server, "POST", f"/weights/{uid}/commit")
+    assert r.status_code == 400 and "send the rest" in r.json()["error"]
+    assert call(server, "GET", "/weights/fingerprint").json() == before
+
+    # garbage and wrong shapes are refused
+    assert call(server, "PUT", f"/weights/{uid}/chunk", data=b"garbage").status_code == 400
+    wrong = {names[0]: torch.zeros(3)}
+    r = call(server, "PUT", f"/weights/{uid}/chunk", data=save(wrong))
+    assert r.status_code == 400 and "shape" in r.json()["error"]
+
+    # the rest, then commit: live, version + 1, same bits as ours
+    rest = {n: named[n].detach() for n in names[len(names) // 2 :]}
+    assert call(server, "PUT", f"/weights/{uid}/chunk", data=save(rest)).json()["staged"] == len(names)
+    assert call(server, "POST", f"/weights/{uid}/commit").json()["version"] == version
+    after = call(server, "GET", "/weights/fingerprint").json()
+    assert after == {"version": version, "fingerprint": fingerprint(model.named_parameters())}
+
+
+def test_version_gate_waits_for_the_update(server, tiny_model):
+    client = RolloutClient([server.url], api_key=KEY, server_timeout=30)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    target = client.fingerprints()[0]["version"] + 1
+    result = {}
+
+    def ask():
+        result["out"] = client.generate([PROMPT], SamplingParams(max_tokens=3), [7], min_version=target, version_timeout=30)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive(), "the request must wait for the version"
+    client.push_weights(list(model.named_parameters()), target, force=False)
+    t.join(timeout=30)
+    assert [c.version for c in result["out"]] == [target]
+    client.close()
+
+
+def test_concurrent_clients_are_batched_and_none_starves(server):
+    before = call(server, "GET", "/info").json()["stats"]
+    bodies = [gen_body(seeds=[10 + i, 20 + i]) for i in range(8)]
+    # one different-parameter request among them must still be served
+    bodies.append(gen_body(sampling={"max_tokens": 4, "temperature": 0.5}))
+    solo = [call(server, "POST", "/generate", json=b).json()["completions"] for b in bodies]
+    mid = call(server, "GET", "/info").json()["stats"]
+    results = [None] * len(bodies)
+
+    def ask(i):
+        results[i] = call(server, "POST", "/generate", json=bodies[i]).json()["completions"]
+
+    # keep the engine busy so the small requests queue up behind it
+    busy = threading.Thread(target=call, args=(server, "POST", "/generate"), kwargs={"json": gen_body(n=64, seeds=list(range(64)), sampling={"max_tokens": 60})})
+    busy.start()
+    time.sleep(0.05)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads + [busy]:
+        t.join(timeout=60)
+    after = call(server, "GET", "/info").json()["stats"]
+    tokens = lambda rs: [[c["token_ids"] for c in r] for r in rs]  # noqa: E731
+    assert tokens(results) == tokens(solo), "a request must get the same completions batched or alone"
+    for r, s in zip(results, solo):
+        for a, b in zip(r, s):
+            assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)  # batch shape moves the last bits only
+    assert mid["engine_calls"] - before["engine_calls"] == len(bodies)
+    calls = after["engine_calls"] - mid["engine_calls"]
+    assert calls <= 4, f"{len(bodies) + 1} concurrent requests took {calls} engine calls"
+
+
+def test_non_loopback_bind_without_a_key_refuses_to_start(tiny_model):
+    proc = run_cli("rollout", "--model", tiny_model, "--host", "0.0.0.0", "--port", str(free_port()), timeout=60)
+    assert proc.returncode == 2
+    assert "--api-key" in proc.stderr
+
+
+def _train(args, out):
+    proc = run_cli("train", *args, "--output_dir", out, "--disable_tqdm", "true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    completions = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    return metrics, completions
+
+
+def test_server_mode_trains_like_colocated_mode(tiny_model, tmp_path):
+    from tandem.demo import addition_rows, write_jsonl
+
+    data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
+    reward = tmp_path / "digits.py"
+    reward.write_text("def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n")
+    common = [
+        "--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", f"{reward}:digits",
+        "--num_generations", "4", "--per_device_train_batch_size", "16", "--max_completion_length", "4",
+        "--learning_rate", "1e-2", "--max_steps", "4", "--num_completions_to_log", "16",
+    ]  # fmt: skip
+    server = Server(tiny_model)
+    try:
+        remote, remote_completions = _train(
+            common + ["--rollout_mode", "server", "--rollout_server_urls", server.url, "--verify_weight_sync", "true"], tmp_path / "server"
+        )
+        served = requests.get(server.url + "/weights/fingerprint", timeout=30).json()
+    finally:
+        server.stop()
+    local, local_completions = _train(common, tmp_path / "colocate")
+    assert [m["loss"] for m in remote] == [m["loss"] for m in local]
+    assert [c["completion"] for c in remote_completions] == [c["completion"] for c in local_completions]
+    assert [m["policy_version"] for m in remote] == [1, 2, 3, 4]
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "server" / "checkpoint-4")
+    assert served == {"version": 4, "fingerprint": fingerprint(trained.named_parameters())}
+    assert remote[0]["time/weight_sync"] > 0
+
+
+def test_trainer_stops_with_an_error_naming_a_missing_server(tiny_model, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    t = time.monotonic()
+    proc = run_cli(
+        "train", "--model_name_or_path", tiny_model, "--dataset_name", tmp_path / "d.jsonl", "--reward_funcs", "exact_match",
+        "--rollout_mode", "server", "--rollout_server_urls", url, "--rollout_server_timeout", "3", "--output_dir", tmp_path / "run",
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert time.monotonic() - t < 60
+    assert f"rollout server {url} did not answer" in proc.stderr and "rollout_server_timeout=3.0s" in proc.stderr
