@@ -261,3 +261,33 @@ def test_trainer_stops_with_an_error_naming_a_missing_server(tiny_model, tmp_pat
     assert proc.returncode == 1
     assert time.monotonic() - t < 60
     assert f"rollout server {url} did not answer" in proc.stderr and "rollout_server_timeout=3.0s" in proc.stderr
+
+
+@pytest.mark.parametrize("transport", ["http", "shm"])
+def test_each_weight_transport_delivers_the_same_bits(server, tiny_model, transport):
+    client = RolloutClient([server.url], api_key=KEY, transport=transport, weight_bucket_bytes=20_000)  # several buckets
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5 if transport == "http" else 0.5)
+    version = client.fingerprints()[0]["version"] + 1
+    client.push_weights(list(model.named_parameters()), version)
+    assert client.fingerprints()[0] == {"version": version, "fingerprint": fingerprint(model.named_parameters())}
+    client.close()
+
+
+def test_safetensors_stream_and_parse_agree_with_the_library():
+    from safetensors.torch import load
+
+    from tandem.rollout.weights import parse_safetensors, safetensors_stream
+
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5).to(torch.bfloat16), "c": torch.tensor([True, False]), "d": torch.zeros(0, 2)}
+    length, pieces = safetensors_stream(tensors)
+    ours = b"".join(bytes(p) for p in pieces)
+    assert len(ours) == length
+    theirs = save(tensors)
+    for decoded in (load(ours), parse_safetensors(bytearray(theirs)), parse_safetensors(bytearray(ours))):
+        assert all(torch.equal(decoded[k], tensors[k]) for k in tensors)
+    for bad in (b"", b"\x00" * 4, (10**9).to_bytes(8, "little") + b"{}", (2).to_bytes(8, "little") + b"[]"):
+        with pytest.raises(ValueError):
+            parse_safetensors(bytearray(bad))

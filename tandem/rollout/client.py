@@ -8,10 +8,9 @@ from typing import Iterable
 
 import requests
 import torch
-from safetensors.torch import save, save_file
 
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import SHM_DIR, buckets, host_id, shm_available
+from tandem.rollout.weights import SHM_DIR, buckets, host_id, safetensors_stream, shm_available
 
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
 
@@ -55,12 +54,13 @@ class RolloutClient:
     # ------------------------------------------------------------------ plumbing
 
     def _call(self, method: str, url: str, path: str, what: str, **kw) -> dict:
+        headers = {**self.headers, **kw.pop("headers", {})}
         deadline = time.monotonic() + self.server_timeout
         delay, attempts, last = 0.1, 0, ""
         while True:
             attempts += 1
             try:
-                r = self.session.request(method, url + path, headers=self.headers, timeout=self.timeout, **kw)
+                r = self.session.request(method, url + path, headers=headers, timeout=self.timeout, **kw)
                 if r.status_code < 400:
                     return r.json()
                 message = _error_text(r)
@@ -134,13 +134,15 @@ class RolloutClient:
                 if self._use_shm(url):
                     path = SHM_DIR / f"tandem-{uuid.uuid4().hex}.safetensors"
                     try:
-                        save_file(bucket, path)
+                        with open(path, "wb") as fh:
+                            for piece in safetensors_stream(bucket)[1]:
+                                fh.write(piece)
                         self._call("POST", url, f"/weights/{uid}/file", "a weight file", json={"path": str(path)})
                     finally:
                         path.unlink(missing_ok=True)
                 else:
-                    self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", data=save(bucket),
-                               headers={**self.headers, "Content-Type": "application/octet-stream"})  # fmt: skip
+                    self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", data=_Body(*safetensors_stream(bucket)),
+                               headers={"Content-Type": "application/octet-stream"})  # fmt: skip
             got = self._call("POST", url, f"/weights/{uid}/commit", "a weight commit")["version"]
             if got != version:
                 raise RolloutServerError(f"rollout server {url} reports version {got} after the update, expected {version}")
@@ -162,6 +164,19 @@ class RolloutClient:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.session.close()
+
+
+class _Body:
+    """A streamed request body of known length: requests sends Content-Length, then the pieces."""
+
+    def __init__(self, length: int, pieces):
+        self.length, self.pieces = length, pieces
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        return iter(self.pieces)
 
 
 def _error_text(r: requests.Response) -> str:

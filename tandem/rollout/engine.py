@@ -63,7 +63,14 @@ class TransformersEngine:
             if tuple(t.shape) != tuple(params[name].shape):
                 raise ValueError(f"weight {name}: shape {tuple(t.shape)} does not match the model's {tuple(params[name].shape)}")
         for name, t in weights.items():
-            params[name].copy_(t)
+            p = params[name]
+            if t.dtype == p.dtype and t.device == p.device:
+                # Adopt the received buffer instead of copying it: the update becomes live at once
+                # and no second copy of the weights is made. Tied weights share one Parameter, so
+                # both names see it.
+                p.data = t
+            else:
+                p.copy_(t)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:

@@ -4,6 +4,7 @@ import argparse
 import hmac
 import ipaddress
 import json
+import mmap
 import sys
 import threading
 from pathlib import Path
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse
 from tandem.rollout import protocol as P
 from tandem.rollout.serving import NotReady, RolloutService, UnknownUpdate, VersionConflict
 from tandem.rollout.types import SamplingParams
-from tandem.rollout.weights import SHM_DIR, host_id
+from tandem.rollout.weights import SHM_DIR, host_id, parse_safetensors
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 DEFAULT_MAX_CHUNK_BYTES = 2 * 2**30
@@ -131,8 +132,7 @@ def build_app(
 
     @app.put("/weights/{update_id}/chunk", dependencies=[Depends(authorised)])
     async def chunk(update_id: str, request: Request):
-        body = await request.body()
-        tensors = _load_safetensors(body)
+        tensors = parse_safetensors_or_400(await _read_body(request))
         return {"staged": await run_in_threadpool(service.stage, update_id, tensors)}
 
     @app.post("/weights/{update_id}/file", dependencies=[Depends(authorised)])
@@ -140,13 +140,11 @@ def build_app(
         path = Path(req.path)
         if path.parent != SHM_DIR or not path.name.startswith("tandem-") or not path.is_file():
             raise ValueError(f"path must be a tandem-*.safetensors file directly in {SHM_DIR} on the server's host")
-        from safetensors.torch import load_file
-
-        try:
-            tensors = load_file(path)
-        except Exception as exc:  # noqa: BLE001 - a corrupt file is the client's error, named
-            raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
-        return {"staged": service.stage(update_id, tensors)}
+        with open(path, "rb") as fh:
+            # A private mapping: the staged tensors view the file's pages in place, and stay valid
+            # after the client deletes the file.
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        return {"staged": service.stage(update_id, parse_safetensors_or_400(mapped))}
 
     @app.post("/weights/{update_id}/commit", response_model=P.WeightCommitResult, dependencies=[Depends(authorised)])
     def commit(update_id: str):
@@ -161,15 +159,32 @@ def build_app(
     return app
 
 
-def _load_safetensors(body: bytes):
-    from safetensors.torch import load
+async def _read_body(request: Request) -> bytearray:
+    """The body, received straight into one buffer when its length is declared (no join copy)."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        buf = bytearray()
+        async for piece in request.stream():
+            buf += piece
+        return buf
+    buf, pos = bytearray(int(declared)), 0
+    async for piece in request.stream():
+        if pos + len(piece) > len(buf):
+            raise ValueError("the body is longer than its Content-Length")
+        buf[pos : pos + len(piece)] = piece
+        pos += len(piece)
+    if pos != len(buf):
+        raise ValueError(f"the body ended after {pos} of {len(buf)} declared bytes")
+    return buf
 
+
+def parse_safetensors_or_400(body: bytearray | mmap.mmap):
     if not body:
         raise ValueError("empty weight chunk; send a safetensors-serialised dict of tensors")
     try:
-        return load(body)
-    except Exception as exc:  # noqa: BLE001 - malformed bytes are the client's error, named
-        raise ValueError(f"weight chunk is not valid safetensors bytes: {exc}") from exc
+        return parse_safetensors(body)
+    except ValueError as exc:
+        raise ValueError(f"weight chunk is not valid safetensors bytes: {exc}") from None
 
 
 # ---------------------------------------------------------------- the process

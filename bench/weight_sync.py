@@ -1,0 +1,81 @@
+"""Weight-sync throughput from a trainer process to a `tandem rollout` server on loopback.
+
+    python bench/weight_sync.py [--size 0.5b|tiny] [--repeats 3] [--transports http shm]
+
+Builds a randomly initialised model of Qwen2-0.5B's shape (494M parameters, fp32), starts a real
+server process on it, and pushes the weights with each transport as a versioned update
+(begin, chunks, commit), timing the whole push. Prints GB/s (10^9 bytes per second of fp32
+weights moved and made live). The last push of each transport is checked by fingerprint.
+"""
+
+import argparse
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from tandem.init_model import build_tokenizer
+from tandem.rollout.client import RolloutClient
+from tandem.rollout.weights import fingerprint
+
+SHAPES = {
+    # Qwen2-0.5B: hidden 896, 24 layers, 14 heads (2 KV), MLP 4864, vocabulary 151936, tied embeddings
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    "tiny": dict(vocab_size=259, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="0.5b", choices=list(SHAPES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--transports", nargs="+", default=["http", "shm"])
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, max_position_embeddings=2048, **SHAPES[args.size]))
+    named = list(model.named_parameters())
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    print(f"model: {args.size}, {sum(t.numel() for _, t in named) / 1e6:.0f}M parameters, {nbytes / 1e9:.2f} GB in fp32")
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "rollout", "--model", tmp, "--port", str(port)])
+        try:
+            client = RolloutClient([url], server_timeout=300)
+            client.wait_until_ready()
+            version = 0
+            rows = []
+            for transport in args.transports:
+                client.transport = transport
+                times = []
+                for _ in range(args.repeats):
+                    version += 1
+                    t = time.perf_counter()
+                    client.push_weights(named, version)
+                    times.append(time.perf_counter() - t)
+                served = requests.get(url + "/weights/fingerprint", timeout=300).json()
+                ok = served["fingerprint"] == fingerprint(named) and served["version"] == version
+                best, median = min(times), sorted(times)[len(times) // 2]
+                rows.append((transport, median, nbytes / median / 1e9, nbytes / best / 1e9, ok))
+            client.close()
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    print(f"{'transport':<10} {'median s':>9} {'GB/s (median)':>14} {'GB/s (best)':>12} {'fingerprint':>12}")
+    for transport, median, gbs, best, ok in rows:
+        print(f"{transport:<10} {median:>9.2f} {gbs:>14.2f} {best:>12.2f} {'match' if ok else 'MISMATCH':>12}")
+
+
+if __name__ == "__main__":
+    main()
