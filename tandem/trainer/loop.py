@@ -191,7 +191,7 @@ class Trainer:
             transport=cfg.weight_transport,
         )
         engine = RemoteEngine(self.client)
-        infos = self.client.wait_until_ready()
+        infos = self.server_infos = self.client.wait_until_ready()
         for url, info in zip(cfg.rollout_server_urls, infos):
             if info["vocab_size"] < len(self.tokenizer):
                 raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {len(self.tokenizer)}")
@@ -203,8 +203,13 @@ class Trainer:
         return engine
 
     def _verify_weights(self, version: int) -> None:
-        mine = fingerprint(self._policy_weights())
-        for url, fp in zip(self.config.rollout_server_urls, self.client.fingerprints()):
+        """Hash our weights in each server's dtype (its copy rounds the same way) and compare."""
+        hashes: dict[str, str] = {}
+        for url, info, fp in zip(self.config.rollout_server_urls, self.server_infos, self.client.fingerprints()):
+            dtype = getattr(torch, info["dtype"])
+            if info["dtype"] not in hashes:
+                hashes[info["dtype"]] = fingerprint((n, t.to(dtype)) for n, t in self._policy_weights())
+            mine = hashes[info["dtype"]]
             if fp["fingerprint"] != mine or fp["version"] != version:
                 raise RolloutServerError(
                     f"rollout server {url} holds different weights after the push of version {version} "
