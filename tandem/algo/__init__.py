@@ -1,6 +1,7 @@
 """Pure tensor math of GRPO: tensors and plain numbers in, (value, metrics) out."""
 
 from tandem.algo.advantages import SCALE_REWARDS, group_advantages
+from tandem.algo.importance import OFF_POLICY_CORRECTIONS, importance_weights
 from tandem.algo.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs
 from tandem.algo.losses import (
     IMPORTANCE_SAMPLING_LEVELS,
@@ -14,11 +15,13 @@ from tandem.algo.losses import (
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_TYPES",
+    "OFF_POLICY_CORRECTIONS",
     "SCALE_REWARDS",
     "Normalisation",
     "entropy_from_logits",
     "get_reduction",
     "group_advantages",
+    "importance_weights",
     "policy_loss",
     "register_loss",
     "selective_log_softmax",

@@ -91,12 +91,15 @@ def policy_loss(
     importance_sampling_level: str = "token",
     beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch.
 
     logprobs (N, T): current policy, with gradient. old_logprobs (N, T): the policy the ratio is
     taken against (proximal), no gradient. advantages (N,). completion_mask (N, T) in {0, 1}.
     ref_logprobs (N, T): reference policy, needed when beta > 0.
+    is_weights (N, T): off-policy importance weights (tandem.algo.importance), multiplying the
+    policy-gradient term only, not the KL term (as TRL applies its vLLM correction).
     delta: upper clamp of the unclipped ratio, two-sided clipping (INTELLECT-2, arXiv:2505.07291).
     importance_sampling_level "sequence" uses one length-normalised ratio per sequence (GSPO,
     arXiv:2507.18071, eq. 7).
@@ -117,6 +120,8 @@ def policy_loss(
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.min(unclipped * adv, clipped * adv)  # (N, T)
     per_token = per_token.expand_as(logprobs)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:
         if ref_logprobs is None:

@@ -1,6 +1,7 @@
 """The trainer's side of the rollout server: timeouts, retries with backoff, health, several
 servers (requests spread over them, weights pushed to all), and an Engine that runs remotely."""
 
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -47,11 +48,18 @@ class RolloutClient:
         self.server_timeout = server_timeout
         self.bucket_bytes = weight_bucket_bytes
         self.transport = transport
-        self.session = requests.Session()
-        self.pool = ThreadPoolExecutor(max_workers=max(2, len(self.urls)), thread_name_prefix="tandem-client")
+        self._local = threading.local()  # one requests.Session per thread: Session is not thread-safe
+        # Room for a generate and a weight push to every server at once (async mode does both).
+        self.pool = ThreadPoolExecutor(max_workers=2 * len(self.urls) + 2, thread_name_prefix="tandem-client")
         self._same_host: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ plumbing
+
+    @property
+    def session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return self._local.session
 
     def _call(self, method: str, url: str, path: str, what: str, **kw) -> dict:
         headers = {**self.headers, **kw.pop("headers", {})}
@@ -163,7 +171,6 @@ class RolloutClient:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.session.close()
 
 
 class _Body:
@@ -193,8 +200,8 @@ class RemoteEngine:
         self.client = client
         self.version = 0
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
-        return self.client.generate(prompts, params, seeds, min_version=self.version, version_timeout=self.client.server_timeout)
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
+        return self.client.generate(prompts, params, seeds, min_version=min_version, version_timeout=self.client.server_timeout)
 
     def push(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False) -> None:
         self.client.push_weights(named, version, force)

@@ -14,8 +14,9 @@ class Engine(Protocol):
 
     version: int  # number of weight updates received
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
-        """One completion per prompt; prompt i is sampled with its own seed seeds[i]."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
+        """One completion per prompt; prompt i is sampled with its own seed seeds[i], with weights
+        of policy version >= min_version."""
         ...
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +74,9 @@ class TransformersEngine:
                 p.copy_(t)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
+        if self.version < min_version:
+            raise RuntimeError(f"the engine holds version {self.version}, the request needs >= {min_version}")
         params.validate()
         if len(prompts) != len(seeds):
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRECTIONS, SCALE_REWARDS
 from tandem.data import PROMPT_TRUNCATION
 from tandem.rollout.types import SamplingParams
 
@@ -48,6 +48,10 @@ class TrainConfig:
     rollout_connect_timeout: float = opt(5.0, "Seconds to wait for a TCP connection to a server.", "generation")
     rollout_request_timeout: float = opt(600.0, "Seconds to wait for the answer to one request (a whole round's generation).", "generation")
     rollout_api_key: str | None = opt(None, "Key the servers were started with (--api-key); sent as a Bearer token.", "generation")
+    async_generate: bool = opt(False, "Generate the next rounds in the background while training on the current one (server mode).", "generation")
+    max_staleness: int = opt(1, "With async_generate: round r may be generated with any policy version >= r - max_staleness (0 is synchronous).", "generation")
+    off_policy_correction: str = opt("token_truncate", "Importance weight proximal/behaviour on each token's loss: none, token_truncate, token_mask, sequence_truncate, sequence_mask (TRL's vllm_importance_sampling_mode).", "generation")
+    importance_sampling_cap: float = opt(2.0, "Cap of the importance weight: truncate modes clip to it, mask modes drop what exceeds it (TRL's vllm_importance_sampling_cap).", "generation")
     verify_weight_sync: bool = opt(False, "After each push, compare the servers' weight fingerprints with the trainer's and stop on a mismatch (hashes every weight: slow for big models).", "generation")
     weight_transport: str = opt("auto", "How weights reach the servers: 'shm' (shared memory, same host), 'http' (safetensors over HTTP), 'auto' (shm when the server is on this host).", "generation")
     num_generations: int = opt(8, "Completions per prompt (G); advantages are relative within these groups.", "generation")
@@ -76,6 +80,7 @@ class TrainConfig:
     adam_beta2: float = opt(0.999, "AdamW beta2.", "batch and schedule")
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", "batch and schedule")
     bf16: bool = opt(False, "Train in bf16 mixed precision (through accelerate).", "batch and schedule")
+    ddp_timeout: float = opt(1800.0, "Seconds any collective between training processes may wait before the run fails.", "batch and schedule")
 
     # --- loss ---
     loss_type: str = opt("dapo", f"How per-token losses are reduced: {', '.join(sorted(LOSS_TYPES))} (TRL's definitions).", "loss")
@@ -125,6 +130,11 @@ class TrainConfig:
         need(not (self.rollout_mode == "server" and not self.rollout_server_urls), "rollout_server_urls", "give at least one server URL in server mode")
         need(self.rollout_server_timeout > 0, "rollout_server_timeout", "must be > 0 seconds")
         need(self.rollout_connect_timeout > 0 and self.rollout_request_timeout > 0, "rollout_request_timeout", "timeouts must be > 0 seconds")
+        need(not self.async_generate or self.rollout_mode == "server", "async_generate", "needs rollout_mode: server (a colocated engine would share the weights being trained, so it cannot overlap)")
+        need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        need(self.off_policy_correction in OFF_POLICY_CORRECTIONS, "off_policy_correction", f"must be one of {OFF_POLICY_CORRECTIONS}")
+        need(self.importance_sampling_cap >= 1, "importance_sampling_cap", "must be >= 1 (a weight of 1 means on-policy)")
+        need(self.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
         need(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport", f"must be one of {WEIGHT_TRANSPORTS}")
         need(self.num_generations >= 2, "num_generations", "must be >= 2: advantages compare completions within a group")
         need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")

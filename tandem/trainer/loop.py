@@ -11,17 +11,18 @@
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from tandem import rewards as rewards_lib
-from tandem.algo import Normalisation, entropy_from_logits, group_advantages, policy_loss, token_logprobs
+from tandem.algo import Normalisation, entropy_from_logits, group_advantages, importance_weights, policy_loss, token_logprobs
 from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset
 from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
 from tandem.rollout.engine import TransformersEngine
@@ -30,7 +31,7 @@ from tandem.rollout.types import Rollout
 from tandem.trainer.checkpoint import save_checkpoint
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.metrics import JsonlWriter
-from tandem.trainer.producer import PromptTable, SyncProducer, completion_seed
+from tandem.trainer.producer import AsyncProducer, PromptTable, SyncProducer, completion_seed
 
 
 def load_prompts(config: TrainConfig, tokenizer) -> tuple[PromptTable, int]:
@@ -122,7 +123,9 @@ class Trainer:
         config.validate()
         self.config = config
         set_seed(config.seed)
-        self.accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+        # Every collective gets a finite timeout: a rank that died can never hang the others forever.
+        pg_timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))
+        self.accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no", kwargs_handlers=[pg_timeout])
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
@@ -172,9 +175,12 @@ class Trainer:
         self.sampler = GroupSampler(
             len(self.table.prompt_ids), config.completions_per_round() // G, config.seed, self.rank, self.world, config.shuffle_dataset
         )
-        self.producer = SyncProducer(
-            self.table, self.sampler, self.engine, self.tokenizer, self.reward_fns, config.sampling_params(), G, config.seed
-        )
+        args = (self.table, self.sampler, self.engine, self.tokenizer, self.reward_fns, config.sampling_params(), G, config.seed)
+        if config.async_generate:
+            round_timeout = config.rollout_server_timeout + config.rollout_request_timeout + 60
+            self.producer = AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=round_timeout)
+        else:
+            self.producer = SyncProducer(*args)
         self.global_step = 0
         self.metrics_log = JsonlWriter(self.out / "metrics.jsonl") if self.is_main else None
         self.completions_log = JsonlWriter(self.out / "completions.jsonl") if self.is_main else None
@@ -234,7 +240,11 @@ class Trainer:
         cfg = self.config
         G, GA = cfg.num_generations, cfg.gradient_accumulation_steps
         steps_per_round = cfg.num_iterations * cfg.steps_per_generation // GA
-        need_old = steps_per_round > 1  # the policy moves within the round: the ratio needs the round's start
+        # The ratio needs the proximal policy (the weights at the round's start) recomputed when the
+        # policy moves within the round, or when rollouts may come from older weights. Otherwise the
+        # proximal policy is the current one and its log-probs are the current ones, detached.
+        off_policy = cfg.async_generate and cfg.max_staleness > 0
+        need_proximal = steps_per_round > 1 or off_policy
         bar = tqdm(total=cfg.max_steps, desc="tandem", disable=cfg.disable_tqdm or not self.is_main, dynamic_ncols=True)
         last: dict = {}
         while self.global_step < cfg.max_steps:
@@ -254,8 +264,10 @@ class Trainer:
             lengths = self._gather(torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float))  # (N,)
             truncated = self._gather(torch.tensor([r.truncated for r in rollouts], dtype=torch.float))  # (N,)
 
-            old_logps = self._logprobs_no_grad(self.model, rollouts) if need_old else None
-            ref_logps = self._logprobs_no_grad(self.ref_model, rollouts) if self.ref_model is not None else None
+            C = max(1, max(len(r.completion_ids) for r in rollouts))
+            old_logps = _pad_rows(self._logprobs_no_grad(self.model, rollouts), C) if need_proximal else None  # (N_rank, C)
+            ref_logps = _pad_rows(self._logprobs_no_grad(self.ref_model, rollouts), C) if self.ref_model is not None else None
+            is_weights, off_metrics = self._off_policy(rollouts, old_logps, C) if off_policy else (None, {})
 
             # --- update ---
             step_tokens = self._step_tokens(rollouts, rnd.index)  # (num_iterations, steps_per_generation // GA)
@@ -275,7 +287,7 @@ class Trainer:
                             step_tokens=float(step_tokens[it, opt_step]),
                             world_size=self.world,
                         )
-                        loss, mstats = self._micro_step(rollouts, idx, advantages, old_logps, ref_logps, norm, sync=m == GA - 1)
+                        loss, mstats = self._micro_step(rollouts, idx, advantages, old_logps, ref_logps, is_weights, norm, sync=m == GA - 1)
                         loss_sum += loss
                         for k, v in mstats.items():
                             stats.setdefault(k, []).append(v)
@@ -297,6 +309,7 @@ class Trainer:
                     record.setdefault("kl", None)  # no reference model when beta = 0
                     round_seconds = time.perf_counter() - round_start
                     record.update(self._round_metrics(rnd, all_table, all_rewards, adv_stats, lengths, truncated, round_seconds, first))
+                    record.update(off_metrics)
                     record["time/train"] = time.perf_counter() - t_train - sync_seconds
                     record["time/weight_sync"] = sync_seconds
                     self._log(record, bar)
@@ -316,7 +329,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
 
-    def _micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, norm: Normalisation, sync: bool):
+    def _micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, is_weights, norm: Normalisation, sync: bool):
         """Forward and backward of one micro-batch; gradients are all-reduced on the last one only."""
         cfg = self.config
         mb = collate([rollouts[i] for i in idx], self.tokenizer.pad_token_id, self.accelerator.device, cfg.mask_truncated_completions)
@@ -326,8 +339,9 @@ class Trainer:
         if hasattr(self.model, "require_backward_grad_sync"):
             self.model.require_backward_grad_sync = sync
         logps, entropy = completion_logprobs(self.model, mb, cfg.temperature, with_entropy=True)  # (n, C)
-        old = _pad_rows([old_logps[i] for i in idx], C).to(logps.device) if old_logps is not None else logps.detach()
-        ref = _pad_rows([ref_logps[i] for i in idx], C).to(logps.device) if ref_logps is not None else None
+        rows = lambda t: t[idx, :C].to(logps.device) if t is not None else None  # noqa: E731 - (N_rank, C') -> (n, C)
+        old = rows(old_logps) if old_logps is not None else logps.detach()
+        ref = rows(ref_logps)
         loss, metrics = policy_loss(
             logps,
             old,
@@ -341,6 +355,7 @@ class Trainer:
             importance_sampling_level=cfg.importance_sampling_level,
             beta=cfg.beta,
             ref_logprobs=ref,
+            is_weights=rows(is_weights),
         )
         self.accelerator.backward(loss)
         mask = mb.completion_mask
@@ -370,6 +385,7 @@ class Trainer:
                 self._verify_weights(version)
         else:
             self.engine.version = version
+        self.producer.set_live_version(version)
         return time.perf_counter() - t
 
     @torch.no_grad()
@@ -382,6 +398,31 @@ class Trainer:
             logps, _ = completion_logprobs(model, mb, self.config.temperature)  # (n, C)
             out += [logps[i, : len(r.completion_ids)].cpu() for i, r in enumerate(chunk)]
         return out
+
+    def _off_policy(self, rollouts: list[Rollout], proximal: torch.Tensor, C: int) -> tuple[torch.Tensor, dict]:
+        """Importance weights proximal/behaviour for the whole round (N_rank, C), and the
+        staleness and weight statistics over every rank."""
+        cfg = self.config
+        behav = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C)  # (N_rank, C)
+        mask = _pad_rows([torch.ones(len(r.completion_ids)) for r in rollouts], C)  # (N_rank, C)
+        weights, m = importance_weights(proximal, behav, mask, cfg.off_policy_correction, cfg.importance_sampling_cap)
+        staleness = torch.tensor([float(self.engine.version - r.version) for r in rollouts])  # (N_rank,)
+        tokens = mask.sum()
+        # sums and extremes of every rank: (world, 7)
+        local = torch.stack([m["is_weight/mean"] * tokens, m["is_weight/frac_capped"] * tokens, m["kl_behav_proximal"] * tokens,
+                             tokens, m["is_weight/min"], m["is_weight/max"], staleness.max()]).unsqueeze(0)  # fmt: skip
+        every = self._gather(local)
+        total_tokens = every[:, 3].sum().clamp(min=1.0)
+        all_staleness = self._gather(staleness)
+        return weights, {
+            "is_weight/mean": (every[:, 0].sum() / total_tokens).item(),
+            "is_weight/min": every[:, 4].min().item(),
+            "is_weight/max": every[:, 5].max().item(),
+            "is_weight/frac_capped": (every[:, 1].sum() / total_tokens).item(),
+            "kl_behav_proximal": (every[:, 2].sum() / total_tokens).item(),
+            "staleness/mean": all_staleness.mean().item(),
+            "staleness/max": all_staleness.max().item(),
+        }
 
     def _order(self, n: int, round_index: int, iteration: int) -> list[int]:
         """Seeded shuffle of a round's sequences before they are cut into micro-batches."""
@@ -433,6 +474,7 @@ class Trainer:
             "completion_tokens_per_second": tokens / max(round_seconds, 1e-9),
             "frac_reward_zero_std": adv_stats["frac_groups_zero_std"].item(),
             "prompts_skipped": self.skipped_prompts,
+            "time/wait_for_rollouts": rnd.wait_seconds if first else 0.0,
             "time/generate": rnd.generate_seconds if first else 0.0,
             "time/reward": rnd.reward_seconds if first else 0.0,
         }
@@ -482,6 +524,7 @@ class Trainer:
         )
 
     def close(self) -> None:
+        self.producer.close()
         if self.client is not None:
             self.client.close()
         for w in (self.metrics_log, self.completions_log):

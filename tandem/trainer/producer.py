@@ -1,9 +1,15 @@
 """The rollout producer: turns the sampler's next prompts into scored Rollout records.
 
-This is the synchronous producer; a round is generated when the trainer asks for it.
+Round r may be generated with any policy version >= r - max_staleness. The synchronous producer
+generates round r when the trainer asks for it (max_staleness 0). The asynchronous producer
+generates rounds ahead in a background thread, admitting round r only once version
+r - max_staleness is live; that thread does HTTP and reward scoring only, never a collective.
 """
 
+import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +53,11 @@ class Round:
     completions: list  # decoded completions as the reward functions saw them
     generate_seconds: float
     reward_seconds: float
+    wait_seconds: float = 0.0  # how long the trainer sat waiting for this round
 
 
 class SyncProducer:
-    """Generates and scores round r when asked, with the engine's current weights."""
+    """Generates and scores round r when the trainer asks, with the weights live at that moment."""
 
     def __init__(
         self,
@@ -62,6 +69,7 @@ class SyncProducer:
         params: SamplingParams,
         num_generations: int,
         seed: int,
+        max_staleness: int = 0,
     ):
         self.table = table
         self.sampler = sampler
@@ -71,17 +79,30 @@ class SyncProducer:
         self.params = params
         self.num_generations = num_generations
         self.seed = seed
-        self.round_index = 0
+        self.max_staleness = max_staleness
+        self.round_index = 0  # the next round the trainer will get
 
     def next_round(self) -> Round:
-        r = self.round_index
+        t = time.perf_counter()
+        rnd = self._make_round(self.round_index)
+        self.round_index += 1
+        rnd.wait_seconds = time.perf_counter() - t
+        return rnd
+
+    def set_live_version(self, version: int) -> None:
+        """The trainer's weights of `version` are live on the engine."""
+
+    def close(self) -> None:
+        pass
+
+    def _make_round(self, r: int) -> Round:
         indices, slots = self.sampler.next_round()
         G = self.num_generations
         prompt_ids = [self.table.prompt_ids[i] for i in indices for _ in range(G)]
         seeds = [completion_seed(self.seed, r, s, g) for s in slots for g in range(G)]
 
         t0 = time.perf_counter()
-        outs = self.engine.generate(prompt_ids, self.params, seeds)
+        outs = self.engine.generate(prompt_ids, self.params, seeds, min_version=max(0, r - self.max_staleness))
         t1 = time.perf_counter()
         rollouts = [
             Rollout(
@@ -97,7 +118,6 @@ class SyncProducer:
         ]
         table, completions = self.score(rollouts)
         t2 = time.perf_counter()
-        self.round_index += 1
         return Round(r, rollouts, table, completions, t1 - t0, t2 - t1)
 
     def score(self, rollouts: list[Rollout]) -> tuple[torch.Tensor, list]:
@@ -117,3 +137,72 @@ class SyncProducer:
             **columns,
         )
         return table, completions
+
+
+class AsyncProducer(SyncProducer):
+    """Generates rounds ahead of the trainer in one background thread.
+
+    Round r is admitted once version r - max_staleness is live, so at most max_staleness + 1
+    rounds are ahead and no finished round is ever thrown away. Rounds are produced in order
+    from the same sampler as the synchronous producer, so both see the same prompts in the same
+    order. A failure in the thread (server down, bad response, reward crash) is stored in that
+    round's future and raised in the trainer's thread by next_round, with its cause.
+    """
+
+    def __init__(self, *args, round_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.round_timeout = round_timeout
+        self._cv = threading.Condition()
+        self._live_version = 0
+        self._futures: dict[int, Future] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="tandem-producer", daemon=True)
+        self._thread.start()
+
+    def _future(self, r: int) -> Future:
+        with self._cv:
+            return self._futures.setdefault(r, Future())
+
+    def _run(self) -> None:
+        r = 0
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._live_version >= r - self.max_staleness or self._stopped)
+                if self._stopped:
+                    return
+            future = self._future(r)
+            try:
+                future.set_result(self._make_round(r))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the trainer's thread by next_round
+                future.set_exception(exc)
+                return
+            r += 1
+
+    def next_round(self) -> Round:
+        r = self.round_index
+        t = time.perf_counter()
+        try:
+            rnd = self._future(r).result(timeout=self.round_timeout)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"waited {self.round_timeout:.0f}s for round {r} from the rollout producer (live version "
+                f"{self._live_version}, max_staleness {self.max_staleness}); the rollout servers may be stuck"
+            ) from None
+        with self._cv:
+            self._futures.pop(r, None)
+        self.round_index += 1
+        rnd.wait_seconds = time.perf_counter() - t
+        return rnd
+
+    def set_live_version(self, version: int) -> None:
+        with self._cv:
+            self._live_version = version
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        # A request in flight ends by its own HTTP timeouts; the thread is a daemon, so a stuck
+        # one cannot keep the process alive.
+        self._thread.join(timeout=1.0)
