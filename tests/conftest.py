@@ -1,9 +1,13 @@
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
+import requests
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -24,3 +28,44 @@ def tiny_model(tmp_path_factory) -> Path:
     proc = run_cli("init-model", out, "--size", "tiny")
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`tandem rollout` in its own process."""
+
+    def __init__(self, model, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads (a full pipe blocks)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "rollout", "--model", str(model), "--port", str(self.port), *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"the server exited: {self.log.read()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).json()["status"] == "ready":
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server did not become ready")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(timeout=10)

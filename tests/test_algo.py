@@ -159,3 +159,50 @@ def test_bf16_logprobs_match_a_plain_fp32_reference():
     tok = torch.randint(50, (3, 5))
     ref = torch.log_softmax(logits.to(torch.bfloat16).float(), -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(token_logprobs(logits.to(torch.bfloat16), tok), ref, atol=1e-6)
+
+
+# Importance weights proximal/behaviour. Row 0: token ratios 2, 1, 0.5 (product 1); row 1: ratios
+# 2, 2 and a masked slot (product 4). Cap 1.5.
+PROX = torch.log(torch.tensor([[0.5, 0.5, 0.25], [0.5, 0.5, 0.3]]))
+BEHAV = torch.log(torch.tensor([[0.25, 0.5, 0.5], [0.25, 0.25, 0.1]]))
+IS_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("none", [[1, 1, 1], [1, 1, 0]]),
+        ("token_truncate", [[1.5, 1, 0.5], [1.5, 1.5, 0]]),  # 2 -> 1.5
+        ("token_mask", [[0, 1, 0.5], [0, 0, 0]]),  # 2 > 1.5 -> dropped
+        ("sequence_truncate", [[1, 1, 1], [1.5, 1.5, 0]]),  # row 1: 2 * 2 = 4 -> 1.5
+        ("sequence_mask", [[1, 1, 1], [0, 0, 0]]),  # row 1 dropped whole
+    ],
+)
+def test_importance_weight_modes(mode, expected):
+    from tandem.algo import importance_weights
+
+    w, _ = importance_weights(PROX, BEHAV, IS_MASK, mode, cap=1.5)
+    assert torch.allclose(w, torch.tensor(expected, dtype=w.dtype), atol=1e-6), w
+
+
+def test_importance_weight_metrics():
+    from tandem.algo import importance_weights
+
+    _, m = importance_weights(PROX, BEHAV, IS_MASK, "token_truncate", cap=1.5)
+    # token ratios over the 5 tokens in the mask: 2, 1, 0.5, 2, 2
+    assert m["is_weight/mean"].item() == pytest.approx(7.5 / 5)
+    assert m["is_weight/min"].item() == pytest.approx(0.5)
+    assert m["is_weight/max"].item() == pytest.approx(2.0)
+    assert m["is_weight/frac_capped"].item() == pytest.approx(3 / 5)
+    # k3 of KL(behaviour || proximal): r - 1 - ln r; r=2: 1 - ln 2, r=1: 0, r=0.5: ln 2 - 0.5
+    k2, k05 = 1 - math.log(2), math.log(2) - 0.5
+    assert m["kl_behav_proximal"].item() == pytest.approx((3 * k2 + k05) / 5, rel=1e-5)
+
+
+def test_importance_weights_scale_only_the_policy_term():
+    # bnpo over the worked example above with weights 0.5 everywhere: half the loss.
+    logprobs = RATIOS.log()
+    norm = Normalisation(4)
+    plain, _ = policy_loss(logprobs, torch.zeros(2, 3), ADV, MASK, loss_type="bnpo", norm=norm)
+    halved, _ = policy_loss(logprobs, torch.zeros(2, 3), ADV, MASK, loss_type="bnpo", norm=norm, is_weights=torch.full((2, 3), 0.5))
+    assert halved.item() == pytest.approx(plain.item() / 2)

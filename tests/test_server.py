@@ -1,9 +1,6 @@
 """The rollout server as a real process on a loopback port, and the trainer against it."""
 
 import json
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -13,7 +10,7 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import run_cli
+from conftest import Server, free_port, run_cli
 from tandem.rollout.client import RolloutClient
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
@@ -21,38 +18,6 @@ from tandem.rollout.weights import fingerprint
 
 KEY = "test-key"
 PROMPT = [1, 120, 118, 104, 117, 13, 54, 46, 55]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`tandem rollout` in its own process."""
-
-    def __init__(self, model, *extra):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "rollout", "--model", str(model), "--port", str(self.port), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            try:
-                if requests.get(self.url + "/health", timeout=1).json()["status"] == "ready":
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("server did not become ready")
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -125,7 +125,12 @@ class Trainer:
         set_seed(config.seed)
         # Every collective gets a finite timeout: a rank that died can never hang the others forever.
         pg_timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))
-        self.accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no", kwargs_handlers=[pg_timeout])
+        self.accelerator = Accelerator(
+            mixed_precision="bf16" if config.bf16 else "no",
+            kwargs_handlers=[pg_timeout],
+            # accelerate only sets up a multi-process CPU run (gloo) under torchrun when told it is on CPU
+            cpu=not torch.cuda.is_available(),
+        )
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
@@ -295,7 +300,7 @@ class Trainer:
                     self.global_step += 1
                     first = it == 0 and opt_step == 0
                     final = it == cfg.num_iterations - 1 and opt_step == cfg.steps_per_generation // GA - 1
-                    sync_seconds = self._sync_weights() if final else 0.0
+                    sync_seconds = self._sync_weights(rnd.index) if final else 0.0
                     record = {
                         "step": self.global_step,
                         "round": rnd.index,
@@ -371,12 +376,20 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _sync_weights(self) -> float:
+    def _sync_weights(self, trained_round: int) -> float:
         """The engine gets the new weights and the version moves by one. Colocated, the engine
         already runs on the trainer's parameters; in server mode rank 0 pushes them to every
-        server and the other ranks only advance their version gate."""
+        server and the other ranks only advance their version gate.
+
+        Async: round trained_round + max_staleness must be generated, on every rank, with the
+        version live now; so the push waits for it (it runs in parallel with the training just
+        done, so this wait is usually zero)."""
         t = time.perf_counter()
         version = self.engine.version + 1
+        if self.config.async_generate and self.global_step < self.config.max_steps:
+            self.producer.wait_generated(trained_round + self.config.max_staleness)
+            if self.world > 1:
+                self.accelerator.wait_for_everyone()
         if self.client is None:
             self.engine.version = version
         elif self.is_main:

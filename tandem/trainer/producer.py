@@ -1,14 +1,17 @@
 """The rollout producer: turns the sampler's next prompts into scored Rollout records.
 
-Round r may be generated with any policy version >= r - max_staleness. The synchronous producer
-generates round r when the trainer asks for it (max_staleness 0). The asynchronous producer
-generates rounds ahead in a background thread, admitting round r only once version
-r - max_staleness is live; that thread does HTTP and reward scoring only, never a collective.
+Round r is generated with policy version max(0, r - max_staleness), exactly. The synchronous
+producer generates round r when the trainer asks for it (max_staleness 0). The asynchronous
+producer generates rounds ahead in a background thread, admitting round r once version
+r - max_staleness is live; the trainer makes version v + 1 live only after round
+v + max_staleness has been generated (wait_generated), so no round ever sees a newer version
+than its own and a run is reproducible whatever the timing. The thread does HTTP and reward
+scoring only, never a collective.
 """
 
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -91,6 +94,9 @@ class SyncProducer:
 
     def set_live_version(self, version: int) -> None:
         """The trainer's weights of `version` are live on the engine."""
+
+    def wait_generated(self, r: int) -> None:
+        """Return once round r is generated (the synchronous producer generates on demand)."""
 
     def close(self) -> None:
         pass
@@ -198,6 +204,14 @@ class AsyncProducer(SyncProducer):
         with self._cv:
             self._live_version = version
             self._cv.notify_all()
+
+    def wait_generated(self, r: int) -> None:
+        if r < self.round_index:
+            return  # already handed to the trainer
+        future = self._future(r)
+        if not wait([future], timeout=self.round_timeout).done:
+            raise TimeoutError(f"waited {self.round_timeout:.0f}s for round {r} to be generated before the next weight push")
+        future.result()  # raises the round's failure, if any
 
     def close(self) -> None:
         with self._cv:

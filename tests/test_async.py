@@ -1,0 +1,158 @@
+"""Asynchronous generation and several training processes, with real processes: a `tandem rollout`
+server, `tandem train` alone and under torchrun (gloo)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import Server, free_port
+from tandem.demo import addition_rows, write_jsonl
+
+DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
+CRASH = (
+    "calls = [0]\n"
+    "def crash_on_third_round(prompts, completions, **kw):\n"
+    "    calls[0] += 1\n"
+    "    if calls[0] == 3:\n"
+    "        raise ZeroDivisionError('boom in round 2')\n"
+    "    return [0.0] * len(completions)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("async")
+    (folder / "digits.py").write_text(DIGITS)
+    (folder / "crash.py").write_text(CRASH)
+    return write_jsonl(addition_rows(0), folder / "data.jsonl")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    s = Server(tiny_model)
+    yield s
+    s.stop()
+
+
+def command(procs: int, args: list) -> list[str]:
+    if procs == 1:
+        return [sys.executable, "-m", "tandem.cli", "train", *map(str, args)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port()),
+            "-m", "tandem.cli", "train", *map(str, args)]  # fmt: skip
+
+
+def base_args(tiny_model, data, out, batch, *extra):
+    return [
+        "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", out,
+        "--reward_funcs", f"{data.parent / 'digits.py'}:digits", "--num_generations", "4",
+        "--per_device_train_batch_size", batch, "--max_completion_length", "4", "--learning_rate", "1e-2",
+        "--disable_tqdm", "true", "--num_completions_to_log", "64", *extra,
+    ]  # fmt: skip
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def train(procs, args, timeout=300):
+    proc = subprocess.run(command(procs, args), capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def read(out):
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    completions = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    return metrics, completions
+
+
+@pytest.mark.parametrize("mode", ["colocate_sync", "server_sync", "server_async"])
+def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, data, server, tmp_path, mode):
+    extra = ["--max_steps", "4"]
+    if mode != "colocate_sync":
+        extra += ["--rollout_mode", "server", "--rollout_server_urls", server.url]
+    if mode == "server_async":
+        extra += ["--async_generate", "true", "--max_staleness", "1"]
+    train(1, base_args(tiny_model, data, tmp_path / "one", 32, *extra))
+    train(2, base_args(tiny_model, data, tmp_path / "two", 16, *extra))
+    (one, one_c), (two, two_c) = read(tmp_path / "one"), read(tmp_path / "two")
+    assert len(one) == len(two) == 4  # rank 0 alone writes the log
+    assert [m["reward"] for m in one] == [m["reward"] for m in two]  # the same completions, gathered
+    assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
+    # The first 16 completions of each round are rank 0's in both runs.
+    assert [c["completion"] for c in one_c if c["round"] == 1][:16] == [c["completion"] for c in two_c if c["round"] == 1][:16]
+    a = load_file(tmp_path / "one" / "checkpoint-4" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "checkpoint-4" / "model.safetensors")
+    # Gradients are summed in a different order (two halves all-reduced vs one batch): 4 Adam
+    # steps at lr 1e-2 leave differences of a few 1e-6 (measured 4e-6 to 2e-5).
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-4, worst
+
+
+def test_max_staleness_one_uses_version_r_minus_1_or_r(tiny_model, data, server, tmp_path):
+    args = base_args(tiny_model, data, tmp_path / "run", 16, "--max_steps", "6", "--rollout_mode", "server",
+                     "--rollout_server_urls", server.url, "--async_generate", "true", "--max_staleness", "1")  # fmt: skip
+    train(1, args)
+    metrics, completions = read(tmp_path / "run")
+    pairs = {(c["round"], c["policy_version"]) for c in completions}
+    assert all(r - 1 <= v <= r for r, v in pairs), sorted(pairs)
+    assert any(v == r - 1 for r, v in pairs), "with max_staleness 1 the next round overlaps the current one"
+    assert all(m["staleness/max"] <= 1 for m in metrics)
+    assert all(m["is_weight/mean"] > 0 and m["kl_behav_proximal"] >= 0 for m in metrics)
+
+
+def test_async_with_max_staleness_zero_equals_sync(tiny_model, data, server, tmp_path):
+    common = ["--max_steps", "4", "--rollout_mode", "server", "--rollout_server_urls", server.url]
+    train(1, base_args(tiny_model, data, tmp_path / "sync", 16, *common))
+    train(1, base_args(tiny_model, data, tmp_path / "async0", 16, *common, "--async_generate", "true", "--max_staleness", "0"))
+    sync, async0 = read(tmp_path / "sync")[0], read(tmp_path / "async0")[0]
+    assert [m["loss"] for m in sync] == [m["loss"] for m in async0]
+    assert [m["reward"] for m in sync] == [m["reward"] for m in async0]
+
+
+def test_a_reward_crash_in_the_background_reaches_the_trainer(tiny_model, data, server, tmp_path):
+    args = base_args(tiny_model, data, tmp_path / "run", 16, "--max_steps", "10", "--rollout_mode", "server",
+                     "--rollout_server_urls", server.url, "--async_generate", "true",
+                     "--reward_funcs", f"{data.parent / 'crash.py'}:crash_on_third_round")  # fmt: skip
+    proc = subprocess.run(command(1, args), capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode != 0
+    assert "reward function 'crash_on_third_round' raised ZeroDivisionError: boom in round 2" in proc.stderr
+
+
+@pytest.mark.parametrize("procs, mode", [(1, "sync"), (1, "async"), (2, "sync"), (2, "async")])
+def test_killing_the_server_stops_every_process_with_an_error_naming_it(tiny_model, data, tmp_path, procs, mode):
+    server = Server(tiny_model)
+    out = tmp_path / f"killed-{procs}-{mode}"
+    args = base_args(tiny_model, data, out, 16, "--max_steps", "100000", "--rollout_mode", "server",
+                     "--rollout_server_urls", server.url, "--rollout_server_timeout", "5",
+                     "--async_generate", "true" if mode == "async" else "false")  # fmt: skip
+    trainer = subprocess.Popen(command(procs, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+            assert trainer.poll() is None and time.monotonic() < deadline, "the run should be training"
+            time.sleep(0.2)
+        server.kill()
+        killed = time.monotonic()
+        # rollout_server_timeout (5 s) of retries, plus start-up of the error path and torchrun's shutdown
+        _, stderr = trainer.communicate(timeout=60)
+        waited = time.monotonic() - killed
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        server.stop()
+    assert trainer.returncode != 0
+    assert f"rollout server {server.url}" in stderr and "rollout_server_timeout=5.0s" in stderr, stderr[-3000:]
+    assert waited < 60
+    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not leftovers, f"processes still running: {leftovers}"
+
+
+def test_async_generate_needs_server_mode(tiny_model, data, tmp_path):
+    proc = subprocess.run(command(1, base_args(tiny_model, data, tmp_path / "x", 16, "--async_generate", "true")),
+                          capture_output=True, text=True, timeout=60, env=ENV)  # fmt: skip
+    assert proc.returncode == 2 and "async_generate" in proc.stderr and "rollout_mode: server" in proc.stderr
+
