@@ -245,11 +245,11 @@ class Trainer:
         cfg = self.config
         G, GA = cfg.num_generations, cfg.gradient_accumulation_steps
         steps_per_round = cfg.num_iterations * cfg.steps_per_generation // GA
-        # The ratio needs the proximal policy (the weights at the round's start) recomputed when the
-        # policy moves within the round, or when rollouts may come from older weights. Otherwise the
-        # proximal policy is the current one and its log-probs are the current ones, detached.
-        off_policy = cfg.async_generate and cfg.max_staleness > 0
-        need_proximal = steps_per_round > 1 or off_policy
+        # The proximal policy is the weights at the round's start. With one optimizer step per round
+        # those are the weights of every forward in the round, so its log-probs are the current
+        # ones, detached; only when the policy moves within the round are they recomputed first.
+        need_proximal = steps_per_round > 1
+        off_policy = cfg.async_generate and cfg.max_staleness > 0  # rollouts may come from older weights
         bar = tqdm(total=cfg.max_steps, desc="tandem", disable=cfg.disable_tqdm or not self.is_main, dynamic_ncols=True)
         last: dict = {}
         while self.global_step < cfg.max_steps:
@@ -272,7 +272,8 @@ class Trainer:
             C = max(1, max(len(r.completion_ids) for r in rollouts))
             old_logps = _pad_rows(self._logprobs_no_grad(self.model, rollouts), C) if need_proximal else None  # (N_rank, C)
             ref_logps = _pad_rows(self._logprobs_no_grad(self.ref_model, rollouts), C) if self.ref_model is not None else None
-            is_weights, off_metrics = self._off_policy(rollouts, old_logps, C) if off_policy else (None, {})
+            behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C) if off_policy else None  # (N_rank, C)
+            staleness = self._staleness(rollouts) if off_policy else {}
 
             # --- update ---
             step_tokens = self._step_tokens(rollouts, rnd.index)  # (num_iterations, steps_per_generation // GA)
@@ -292,7 +293,7 @@ class Trainer:
                             step_tokens=float(step_tokens[it, opt_step]),
                             world_size=self.world,
                         )
-                        loss, mstats = self._micro_step(rollouts, idx, advantages, old_logps, ref_logps, is_weights, norm, sync=m == GA - 1)
+                        loss, mstats = self._micro_step(rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm, sync=m == GA - 1)
                         loss_sum += loss
                         for k, v in mstats.items():
                             stats.setdefault(k, []).append(v)
@@ -303,18 +304,19 @@ class Trainer:
                     sync_seconds = self._sync_weights(rnd.index) if final else 0.0
                     record = {
                         "step": self.global_step,
+                        "timestamp": time.time(),
                         "round": rnd.index,
                         "policy_version": self.engine.version,
                         "loss": loss_sum,
                         "grad_norm": grad_norm,
                         "learning_rate": self.scheduler.get_last_lr()[0],
-                        **{k: torch.stack(v).mean() for k, v in stats.items()},
+                        **{k: _combine(k, torch.stack(v)) for k, v in stats.items()},
                     }
-                    record = self._mean_across_ranks(record)
+                    record = self._reduce_across_ranks(record)
                     record.setdefault("kl", None)  # no reference model when beta = 0
                     round_seconds = time.perf_counter() - round_start
                     record.update(self._round_metrics(rnd, all_table, all_rewards, adv_stats, lengths, truncated, round_seconds, first))
-                    record.update(off_metrics)
+                    record.update(staleness)
                     record["time/train"] = time.perf_counter() - t_train - sync_seconds
                     record["time/weight_sync"] = sync_seconds
                     self._log(record, bar)
@@ -334,7 +336,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
 
-    def _micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, is_weights, norm: Normalisation, sync: bool):
+    def _micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
         """Forward and backward of one micro-batch; gradients are all-reduced on the last one only."""
         cfg = self.config
         mb = collate([rollouts[i] for i in idx], self.tokenizer.pad_token_id, self.accelerator.device, cfg.mask_truncated_completions)
@@ -347,6 +349,11 @@ class Trainer:
         rows = lambda t: t[idx, :C].to(logps.device) if t is not None else None  # noqa: E731 - (N_rank, C') -> (n, C)
         old = rows(old_logps) if old_logps is not None else logps.detach()
         ref = rows(ref_logps)
+        is_weights, is_metrics = None, {}
+        if behav_logps is not None:
+            is_weights, is_metrics = importance_weights(
+                old, rows(behav_logps), mb.completion_mask, cfg.off_policy_correction, cfg.importance_sampling_cap
+            )
         loss, metrics = policy_loss(
             logps,
             old,
@@ -360,8 +367,9 @@ class Trainer:
             importance_sampling_level=cfg.importance_sampling_level,
             beta=cfg.beta,
             ref_logprobs=ref,
-            is_weights=rows(is_weights),
+            is_weights=is_weights,
         )
+        metrics.update(is_metrics)
         self.accelerator.backward(loss)
         mask = mb.completion_mask
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
@@ -412,30 +420,10 @@ class Trainer:
             out += [logps[i, : len(r.completion_ids)].cpu() for i, r in enumerate(chunk)]
         return out
 
-    def _off_policy(self, rollouts: list[Rollout], proximal: torch.Tensor, C: int) -> tuple[torch.Tensor, dict]:
-        """Importance weights proximal/behaviour for the whole round (N_rank, C), and the
-        staleness and weight statistics over every rank."""
-        cfg = self.config
-        behav = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C)  # (N_rank, C)
-        mask = _pad_rows([torch.ones(len(r.completion_ids)) for r in rollouts], C)  # (N_rank, C)
-        weights, m = importance_weights(proximal, behav, mask, cfg.off_policy_correction, cfg.importance_sampling_cap)
-        staleness = torch.tensor([float(self.engine.version - r.version) for r in rollouts])  # (N_rank,)
-        tokens = mask.sum()
-        # sums and extremes of every rank: (world, 7)
-        local = torch.stack([m["is_weight/mean"] * tokens, m["is_weight/frac_capped"] * tokens, m["kl_behav_proximal"] * tokens,
-                             tokens, m["is_weight/min"], m["is_weight/max"], staleness.max()]).unsqueeze(0)  # fmt: skip
-        every = self._gather(local)
-        total_tokens = every[:, 3].sum().clamp(min=1.0)
-        all_staleness = self._gather(staleness)
-        return weights, {
-            "is_weight/mean": (every[:, 0].sum() / total_tokens).item(),
-            "is_weight/min": every[:, 4].min().item(),
-            "is_weight/max": every[:, 5].max().item(),
-            "is_weight/frac_capped": (every[:, 1].sum() / total_tokens).item(),
-            "kl_behav_proximal": (every[:, 2].sum() / total_tokens).item(),
-            "staleness/mean": all_staleness.mean().item(),
-            "staleness/max": all_staleness.max().item(),
-        }
+    def _staleness(self, rollouts: list[Rollout]) -> dict:
+        """How many versions behind the trainer each rollout's weights are, over every rank."""
+        staleness = self._gather(torch.tensor([float(self.engine.version - r.version) for r in rollouts]))  # (N,)
+        return {"staleness/mean": staleness.mean().item(), "staleness/max": staleness.max().item()}
 
     def _order(self, n: int, round_index: int, iteration: int) -> list[int]:
         """Seeded shuffle of a round's sequences before they are cut into micro-batches."""
@@ -465,11 +453,13 @@ class Trainer:
             return t
         return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
 
-    def _mean_across_ranks(self, record: dict) -> dict:
+    def _reduce_across_ranks(self, record: dict) -> dict:
+        """Tensor metrics to plain numbers over every rank: min of */min, max of */max, else mean."""
         keys = [k for k, v in record.items() if isinstance(v, torch.Tensor)]
-        values = torch.stack([record[k].detach().float().cpu().reshape(()) for k in keys])
+        values = torch.stack([record[k].detach().float().cpu().reshape(()) for k in keys])  # (K,)
         if self.world > 1:
-            values = self.accelerator.reduce(values.to(self.accelerator.device), reduction="mean").cpu()
+            every = self._gather(values.unsqueeze(0))  # (world, K)
+            values = torch.stack([_combine(k, every[:, j]) for j, k in enumerate(keys)])
         return {**record, **dict(zip(keys, values.tolist()))}
 
     # ------------------------------------------------------------------ logging and saving
@@ -544,6 +534,15 @@ class Trainer:
             if w is not None:
                 w.close()
         self.accelerator.end_training()
+
+
+def _combine(key: str, values: torch.Tensor) -> torch.Tensor:
+    """Several values of one metric (micro-batches or ranks) into one."""
+    if key.endswith("/min"):
+        return values.min()
+    if key.endswith("/max"):
+        return values.max()
+    return values.mean()
 
 
 def _nanstd(x: torch.Tensor) -> float:
