@@ -39,11 +39,16 @@ def server(tiny_model):
     s.stop()
 
 
-def command(procs: int, args: list) -> list[str]:
+def command(procs: int, args: list, launcher: str = "torchrun") -> list[str]:
     if procs == 1:
         return [sys.executable, "-m", "tandem.cli", "train", *map(str, args)]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port()),
-            "-m", "tandem.cli", "train", *map(str, args)]  # fmt: skip
+    if launcher == "accelerate":
+        # accelerate's --multi_gpu launcher is torchrun; on a machine without GPUs tandem runs gloo on CPU
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port())]
+    return [*launch, "-m", "tandem.cli", "train", *map(str, args)]
 
 
 def base_args(tiny_model, data, out, batch, *extra):
@@ -58,8 +63,8 @@ def base_args(tiny_model, data, out, batch, *extra):
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def train(procs, args, timeout=300):
-    proc = subprocess.run(command(procs, args), capture_output=True, text=True, timeout=timeout, env=ENV)
+def train(procs, args, timeout=300, launcher="torchrun"):
+    proc = subprocess.run(command(procs, args, launcher), capture_output=True, text=True, timeout=timeout, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -69,15 +74,15 @@ def read(out):
     return metrics, completions
 
 
-@pytest.mark.parametrize("mode", ["colocate_sync", "server_sync", "server_async"])
+@pytest.mark.parametrize("mode", ["colocate_sync", "colocate_sync_accelerate", "server_sync", "server_async"])
 def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, data, server, tmp_path, mode):
     extra = ["--max_steps", "4"]
-    if mode != "colocate_sync":
+    if not mode.startswith("colocate"):
         extra += ["--rollout_mode", "server", "--rollout_server_urls", server.url]
     if mode == "server_async":
         extra += ["--async_generate", "true", "--max_staleness", "1"]
     train(1, base_args(tiny_model, data, tmp_path / "one", 32, *extra))
-    train(2, base_args(tiny_model, data, tmp_path / "two", 16, *extra))
+    train(2, base_args(tiny_model, data, tmp_path / "two", 16, *extra), launcher="accelerate" if mode.endswith("accelerate") else "torchrun")
     (one, one_c), (two, two_c) = read(tmp_path / "one"), read(tmp_path / "two")
     assert len(one) == len(two) == 4  # rank 0 alone writes the log
     assert [m["reward"] for m in one] == [m["reward"] for m in two]  # the same completions, gathered
