@@ -1,6 +1,7 @@
 """The `tandem` command: train, init-model, demo."""
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -109,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.trainer.config import ConfigError
 
     args = build_parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tandem: %(message)s"))
+    log = logging.getLogger("tandem")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     try:
         return args.run(args)
     except ConfigError as exc:

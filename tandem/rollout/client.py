@@ -1,6 +1,7 @@
 """The trainer's side of the rollout server: timeouts, retries with backoff, health, several
 servers (requests spread over them, weights pushed to all), and an Engine that runs remotely."""
 
+import logging
 import threading
 import time
 import uuid
@@ -13,11 +14,20 @@ import torch
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import SHM_DIR, buckets, host_id, safetensors_stream, shm_available
 
+log = logging.getLogger("tandem")
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
 
 
 class RolloutServerError(RuntimeError):
     """A rollout server could not serve a request; the message names it and what was tried."""
+
+
+class _Restarted(Exception):
+    """The server answers again, but it is a new process: it lost the weights it was given."""
+
+    def __init__(self, url: str, down_seconds: float):
+        super().__init__(url)
+        self.url, self.down_seconds = url, down_seconds
 
 
 class RolloutClient:
@@ -26,6 +36,11 @@ class RolloutClient:
     Connection errors and 502/503/504 answers are retried with exponential backoff (0.1 s doubling
     to 5 s) until `server_timeout` seconds have passed for that call; every other 4xx/5xx fails at
     once with the server's message. Every HTTP request has a connect and a read timeout.
+
+    A server that comes back as a new process (a restart: its instance id changed) has lost its
+    weights. The client pushes it the last weights it pushed (it keeps a CPU copy of them), with
+    their version, then repeats the call; a generation in flight at the time is regenerated
+    from the same seeds with the same version, so the run goes on as if nothing happened.
     """
 
     def __init__(
@@ -52,6 +67,9 @@ class RolloutClient:
         # Room for a generate and a weight push to every server at once (async mode does both).
         self.pool = ThreadPoolExecutor(max_workers=2 * len(self.urls) + 2, thread_name_prefix="tandem-client")
         self._same_host: dict[str, bool] = {}
+        self._instances: dict[str, str] = {}  # url -> instance id of the server process we synced
+        self._last_pushed: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self._resync_lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -63,10 +81,13 @@ class RolloutClient:
 
     def _call(self, method: str, url: str, path: str, what: str, **kw) -> dict:
         headers = {**self.headers, **kw.pop("headers", {})}
-        deadline = time.monotonic() + self.server_timeout
+        start = time.monotonic()
+        deadline = start + self.server_timeout
         delay, attempts, last = 0.1, 0, ""
         while True:
             attempts += 1
+            if attempts > 1:
+                self._check_restart(url, time.monotonic() - start)
             try:
                 r = self.session.request(method, url + path, headers=headers, timeout=self.timeout, **kw)
                 if r.status_code < 400:
@@ -85,6 +106,45 @@ class RolloutClient:
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
+    def _check_restart(self, url: str, down_seconds: float) -> None:
+        """After a failed attempt: raise _Restarted if the server now answers as a new process."""
+        if url not in self._instances:
+            return
+        try:
+            health = self.session.get(url + "/health", timeout=self.timeout).json()
+        except (requests.RequestException, ValueError):
+            return  # still down
+        if health.get("status") == "ready" and health.get("instance_id") != self._instances[url]:
+            raise _Restarted(url, down_seconds)
+
+    def _resync(self, restarted: _Restarted) -> None:
+        """Give a restarted server the last pushed weights and version (once, whoever notices first)."""
+        url = restarted.url
+        with self._resync_lock:
+            health = self._call("GET", url, "/health", "a health check")
+            if health["instance_id"] == self._instances.get(url):
+                return  # another thread already did it
+            self._instances[url] = health["instance_id"]  # calls below compare against the new process
+            if self._last_pushed is not None:
+                version, named = self._last_pushed
+                self._push_one(url, named, version, force=True)
+            pushed = f"pushed weights version {self._last_pushed[0]} again" if self._last_pushed else "nothing pushed yet"
+            log.warning(f"rollout server {url} restarted: it was unreachable for {restarted.down_seconds:.1f}s; {pushed}; repeating the request")
+
+    def _retrying(self, fn, url: str):
+        """fn(), again after a resync each time the server turns out to have restarted."""
+        while True:
+            try:
+                return fn()
+            except _Restarted as restarted:
+                pending = restarted
+            while pending is not None:  # the server may restart again while it is being resynced
+                try:
+                    self._resync(pending)
+                    pending = None
+                except _Restarted as again:
+                    pending = again
+
     def _each(self, fn, items: Iterable) -> list:
         """fn over items, concurrently; the first failure is raised with its cause."""
         return [f.result() for f in [self.pool.submit(fn, item) for item in items]]
@@ -99,6 +159,7 @@ class RolloutClient:
             while True:
                 status = self._call("GET", url, "/health", "a health check")
                 if status["status"] == "ready":
+                    self._instances[url] = status["instance_id"]
                     return self._call("GET", url, "/info", "an info request")
                 if time.monotonic() > deadline:
                     raise RolloutServerError(f"rollout server {url} was still loading its model after rollout_server_timeout={self.server_timeout}s")
@@ -124,7 +185,7 @@ class RolloutClient:
                 "min_version": min_version,
                 "version_timeout": version_timeout,
             }
-            out = self._call("POST", url, "/generate", "a generate request", json=body)["completions"]
+            out = self._retrying(lambda: self._call("POST", url, "/generate", "a generate request", json=body), url)["completions"]
             if len(out) != hi - lo:
                 raise RolloutServerError(f"rollout server {url} returned {len(out)} completions for {hi - lo} prompts")
             return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], c["version"]) for c in out]
@@ -132,31 +193,46 @@ class RolloutClient:
         return [c for part in self._each(one, parts) for c in part]
 
     def push_weights(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False) -> list[int]:
-        """Send every weight to every server as one atomic update that makes `version` live."""
-        named = [(n, t.detach().contiguous().cpu()) for n, t in named]
+        """Send every weight to every server as one atomic update that makes `version` live.
+
+        The tensors are copied first: the copy is what a restarted server gets back, and the
+        trainer may change its own weights while a generation with these is still in flight."""
+        named = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in named]
+        self._last_pushed = (version, named)
 
         def one(url):
-            handle = self._call("POST", url, "/weights/begin", "a weight update", json={"version": version, "force": force, "num_tensors": len(named)})
-            uid = handle["update_id"]
-            for bucket in buckets(named, self.bucket_bytes):
-                if self._use_shm(url):
-                    path = SHM_DIR / f"tandem-{uuid.uuid4().hex}.safetensors"
-                    try:
-                        with open(path, "wb") as fh:
-                            for piece in safetensors_stream(bucket)[1]:
-                                fh.write(piece)
-                        self._call("POST", url, f"/weights/{uid}/file", "a weight file", json={"path": str(path)})
-                    finally:
-                        path.unlink(missing_ok=True)
-                else:
-                    self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", data=_Body(*safetensors_stream(bucket)),
-                               headers={"Content-Type": "application/octet-stream"})  # fmt: skip
-            got = self._call("POST", url, f"/weights/{uid}/commit", "a weight commit")["version"]
-            if got != version:
-                raise RolloutServerError(f"rollout server {url} reports version {got} after the update, expected {version}")
-            return got
+            # A server that restarts mid-update gets the whole update again, forced (it is at version 0).
+            first = [True]
+
+            def attempt():
+                forced = force or not first[0]
+                first[0] = False
+                return self._push_one(url, named, version, forced)
+
+            return self._retrying(attempt, url)
 
         return self._each(one, self.urls)
+
+    def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool) -> int:
+        handle = self._call("POST", url, "/weights/begin", "a weight update", json={"version": version, "force": force, "num_tensors": len(named)})
+        uid = handle["update_id"]
+        for bucket in buckets(named, self.bucket_bytes):
+            if self._use_shm(url):
+                path = SHM_DIR / f"tandem-{uuid.uuid4().hex}.safetensors"
+                try:
+                    with open(path, "wb") as fh:
+                        for piece in safetensors_stream(bucket)[1]:
+                            fh.write(piece)
+                    self._call("POST", url, f"/weights/{uid}/file", "a weight file", json={"path": str(path)})
+                finally:
+                    path.unlink(missing_ok=True)
+            else:
+                self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", data=_Body(*safetensors_stream(bucket)),
+                           headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+        got = self._call("POST", url, f"/weights/{uid}/commit", "a weight commit")["version"]
+        if got != version:
+            raise RolloutServerError(f"rollout server {url} reports version {got} after the update, expected {version}")
+        return got
 
     def fingerprints(self) -> list[dict]:
         return self._each(lambda url: self._call("GET", url, "/weights/fingerprint", "a fingerprint request"), self.urls)

@@ -41,6 +41,7 @@ class GenerateResponse(BaseModel):
 class Health(BaseModel):
     status: Literal["loading", "ready"]
     version: int
+    instance_id: str  # new at every server start: a client that sees it change knows the server restarted
 
 
 class Info(BaseModel):

@@ -97,7 +97,7 @@ def build_app(
 
     @app.get("/health", response_model=P.Health)
     def health():
-        return P.Health(status="ready" if service.ready else "loading", version=service.version)
+        return P.Health(status="ready" if service.ready else "loading", version=service.version, instance_id=service.instance_id)
 
     @app.get("/info", response_model=P.Info, dependencies=[Depends(authorised)])
     def info():

@@ -61,6 +61,7 @@ class RolloutService:
         self._staged: dict[str, _Staged] = {}
         self._stopped = False
         self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0}
+        self.instance_id = uuid.uuid4().hex
         self._worker = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._worker.start()
 

@@ -1,13 +1,37 @@
-"""Checkpoints in HF format, written atomically: a crash mid-save never leaves a broken `latest`."""
+"""Checkpoints written atomically: a crash mid-save never leaves a broken `latest`.
+
+A checkpoint folder holds the model and tokenizer in HF format (loads with
+AutoModelForCausalLM.from_pretrained), config.yaml, trainer_state.json (step, policy version,
+sampler position, next round), optimizer.pt and scheduler.pt, and per rank rng_state_{rank}.pt and
+rounds_{rank}.json (rounds generated ahead of training in async mode). Everything is written into
+a hidden temporary folder, fsynced, and renamed into place; only then does `latest` move.
+"""
 
 import json
 import os
+import random
+import re
 import shutil
 from pathlib import Path
 
-import yaml
+import numpy as np
+import torch
 
 LATEST = "latest"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def staging_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f".tmp-checkpoint-{step}"
+
+
+def start(output_dir: str | Path, step: int) -> Path:
+    """A fresh staging folder for checkpoint `step` (rank 0 calls this before the others write)."""
+    tmp = staging_dir(output_dir, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 def _fsync_tree(path: Path) -> None:
@@ -26,25 +50,33 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, config: dict, state: dict) -> Path:
-    """Write checkpoint-{step}/ (model, tokenizer, config.yaml, trainer_state.json) into a hidden
-    temporary folder, fsync it, rename it into place, then move the `latest` pointer."""
+def finish(output_dir: str | Path, step: int, save_total_limit: int | None = None) -> Path:
+    """fsync the staging folder, rename it to checkpoint-{step}, move `latest`, prune old ones."""
     output_dir = Path(output_dir)
-    final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f".tmp-checkpoint-{step}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    tmp, final = staging_dir(output_dir, step), output_dir / f"checkpoint-{step}"
     _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _atomic_write_text(output_dir / LATEST, final.name + "\n")
+    if save_total_limit:
+        done = sorted((int(m.group(1)), p) for p in output_dir.iterdir() if (m := _NAME.match(p.name)))
+        for _, old in done[:-save_total_limit]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, config: dict, state: dict) -> Path:
+    """The single-process path: model, tokenizer, config and state in one atomic checkpoint."""
+    import yaml
+
+    tmp = start(output_dir, step)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    return finish(output_dir, step)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -54,3 +86,23 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
         return None
     path = Path(output_dir) / pointer.read_text().strip()
     return path if path.is_dir() else None
+
+
+def resolve(spec: str, output_dir: str | Path) -> Path:
+    """`latest` (in output_dir) or a checkpoint folder; a clear error when there is none."""
+    path = latest_checkpoint(output_dir) if spec == "latest" else Path(spec)
+    if path is None:
+        raise FileNotFoundError(f"resume_from_checkpoint=latest: {output_dir} has no complete checkpoint (no '{LATEST}' file)")
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"resume_from_checkpoint={spec}: {path} is not a tandem checkpoint (no trainer_state.json)")
+    return path
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

@@ -93,7 +93,9 @@ class TrainConfig:
     mask_truncated_completions: bool = opt(False, "Leave completions that hit max_completion_length out of the loss.", "loss")
 
     # --- logging and checkpoints ---
-    save_steps: int = opt(500, "Save a checkpoint every this many steps (and at the end); 0 saves only at the end.", "logging and checkpoints")
+    save_steps: int = opt(500, "Save a checkpoint every this many steps (at the end of the round that reaches it, and at the end of training); 0 saves only at the end.", "logging and checkpoints")
+    save_total_limit: int | None = opt(None, "Keep only the newest this many checkpoints; none keeps all.", "logging and checkpoints")
+    resume_from_checkpoint: str | None = opt(None, "Continue a run exactly: a checkpoint folder, or 'latest' for the newest complete one in output_dir.", "logging and checkpoints")
     num_completions_to_log: int = opt(4, "Completions written to completions.jsonl each step.", "logging and checkpoints")
     disable_tqdm: bool = opt(False, "Hide the progress bar.", "logging and checkpoints")
 
@@ -175,6 +177,7 @@ class TrainConfig:
             f"give one weight per reward function ({len(self.reward_funcs)})",
         )
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
+        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or none")
         need(self.num_completions_to_log >= 0, "num_completions_to_log", "must be >= 0")
         try:
             self.sampling_params().validate()

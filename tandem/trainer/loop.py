@@ -8,7 +8,9 @@
   log        metrics.jsonl, completions.jsonl, the progress bar, checkpoints
 """
 
+import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,10 +30,10 @@ from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerErro
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.weights import fingerprint
 from tandem.rollout.types import Rollout
-from tandem.trainer.checkpoint import save_checkpoint
+from tandem.trainer import checkpoint
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.metrics import JsonlWriter
-from tandem.trainer.producer import AsyncProducer, PromptTable, SyncProducer, completion_seed
+from tandem.trainer.producer import AsyncProducer, PromptTable, Round, SyncProducer, completion_seed
 
 
 def load_prompts(config: TrainConfig, tokenizer) -> tuple[PromptTable, int]:
@@ -150,7 +152,10 @@ class Trainer:
         if self.skipped_prompts and self.is_main:
             print(f"tandem: skipped {self.skipped_prompts} prompts longer than max_prompt_length={config.max_prompt_length}")
 
-        model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
+        # Resuming: the weights come from the checkpoint, everything else from its state files.
+        self.resume_dir = checkpoint.resolve(config.resume_from_checkpoint, config.output_dir) if config.resume_from_checkpoint else None
+        state = json.loads((self.resume_dir / "trainer_state.json").read_text()) if self.resume_dir else None
+        model = AutoModelForCausalLM.from_pretrained(self.resume_dir or config.model_name_or_path)
         self.ref_model = None
         if config.beta != 0.0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(self.accelerator.device)
@@ -169,13 +174,18 @@ class Trainer:
             num_training_steps=config.max_steps,
         )
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.global_step = state["global_step"] if state else 0
+        self.version = state["policy_version"] if state else 0  # rounds trained = the policy version of our weights
+        if state:
+            self.optimizer.load_state_dict(torch.load(self.resume_dir / "optimizer.pt", weights_only=True))
+            self.scheduler.load_state_dict(torch.load(self.resume_dir / "scheduler.pt", weights_only=True))
 
         self.client = None
         if config.rollout_mode == "server":
             self.engine = self._connect()
         else:
             eos_ids = self._eos_ids(model)
-            self.engine = TransformersEngine(self.accelerator.unwrap_model(self.model), eos_ids, self.tokenizer.pad_token_id)
+            self.engine = TransformersEngine(self.accelerator.unwrap_model(self.model), eos_ids, self.tokenizer.pad_token_id, self.version)
         G = config.num_generations
         self.sampler = GroupSampler(
             len(self.table.prompt_ids), config.completions_per_round() // G, config.seed, self.rank, self.world, config.shuffle_dataset
@@ -186,12 +196,27 @@ class Trainer:
             self.producer = AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=round_timeout)
         else:
             self.producer = SyncProducer(*args)
-        self.global_step = 0
+        ready = []
+        if state:
+            self.sampler.load_state_dict(state["sampler"])
+            rounds_file = self.resume_dir / f"rounds_{self.rank}.json"
+            ready = [Round.from_dict(d) for d in json.loads(rounds_file.read_text())] if rounds_file.exists() else []
+            rng_file = self.resume_dir / f"rng_state_{self.rank}.pt"
+            if rng_file.exists():
+                checkpoint.set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy's state needs pickle
+            if self.is_main:
+                _truncate_log(self.out / "metrics.jsonl", self.global_step)
+                _truncate_log(self.out / "completions.jsonl", self.global_step)
+                print(f"tandem: resumed from {self.resume_dir} at step {self.global_step}, policy version {self.version}", flush=True)
+        self._sampler_state = state["sampler"] if state else self.sampler.state_dict()  # after the last trained round
+        self.producer.start(state["round"] if state else 0, ready)
+        self.producer.set_live_version(self.version)
         self.metrics_log = JsonlWriter(self.out / "metrics.jsonl") if self.is_main else None
         self.completions_log = JsonlWriter(self.out / "completions.jsonl") if self.is_main else None
 
     def _connect(self) -> RemoteEngine:
-        """Wait for the servers, then make them hold the trainer's weights at version 0."""
+        """Wait for the servers, then make them hold the trainer's weights and version. A server
+        left running by an earlier (crashed) trainer takes this trainer's weights and version."""
         cfg = self.config
         self.client = RolloutClient(
             cfg.rollout_server_urls,
@@ -208,8 +233,9 @@ class Trainer:
                 raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {len(self.tokenizer)}")
         if self.is_main:
             mine = fingerprint(self._policy_weights())
-            if any(fp["fingerprint"] != mine or fp["version"] != 0 for fp in self.client.fingerprints()):
-                engine.push(self._policy_weights(), version=0, force=True)
+            if any(fp["fingerprint"] != mine or fp["version"] != self.version for fp in self.client.fingerprints()):
+                engine.push(self._policy_weights(), version=self.version, force=True)
+        engine.version = self.version
         self.accelerator.wait_for_everyone()
         return engine
 
@@ -243,6 +269,36 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.config
+        bar = tqdm(total=cfg.max_steps, initial=self.global_step, desc="tandem", disable=cfg.disable_tqdm or not self.is_main, dynamic_ncols=True)
+        last: dict = {}
+        saved_at = self.global_step
+        try:
+            while self.global_step < cfg.max_steps:
+                before = self.global_step
+                last = self._train_round(bar) or last
+                if cfg.save_steps and before // cfg.save_steps != self.global_step // cfg.save_steps:
+                    self.save()  # at the end of the round that crossed a multiple of save_steps
+                    saved_at = self.global_step
+        except RolloutServerError as exc:
+            raise RolloutServerError(f"{exc}\n{self._emergency_save(saved_at)}") from None
+        finally:
+            bar.close()
+        if saved_at != self.global_step:
+            self.save()
+        return last
+
+    def _emergency_save(self, saved_at: int) -> str:
+        """The servers are gone: keep what was trained (we are between rounds) and say how to go on."""
+        resume = f"--resume_from_checkpoint latest --output_dir {self.config.output_dir}"
+        if self.world > 1:
+            return f"tandem: the last checkpoint is at step {saved_at}; restart the server and resume with {resume}"
+        if saved_at != self.global_step:
+            self.save()
+        return f"tandem: checkpoint at step {self.global_step} saved; restart the rollout server and resume with {resume}"
+
+    def _train_round(self, bar) -> dict:
+        """One round: generate, advantage, update (one or more optimizer steps), sync, log."""
+        cfg = self.config
         G, GA = cfg.num_generations, cfg.gradient_accumulation_steps
         steps_per_round = cfg.num_iterations * cfg.steps_per_generation // GA
         # The proximal policy is the weights at the round's start. With one optimizer step per round
@@ -250,89 +306,83 @@ class Trainer:
         # ones, detached; only when the policy moves within the round are they recomputed first.
         need_proximal = steps_per_round > 1
         off_policy = cfg.async_generate and cfg.max_staleness > 0  # rollouts may come from older weights
-        bar = tqdm(total=cfg.max_steps, desc="tandem", disable=cfg.disable_tqdm or not self.is_main, dynamic_ncols=True)
-        last: dict = {}
-        while self.global_step < cfg.max_steps:
-            round_start = time.perf_counter()
+        round_start = time.perf_counter()
 
-            # --- generate (and score) ---
-            rnd = self.producer.next_round()
-            rollouts = rnd.rollouts  # (N_rank,)
-            n_local = len(rollouts)
+        # --- generate (and score) ---
+        rnd = self.producer.next_round()
+        rollouts = rnd.rollouts  # (N_rank,)
+        n_local = len(rollouts)
 
-            # --- advantage: group statistics over the rewards of every rank ---
-            rewards = rewards_lib.combine(rnd.rewards, [r.weight for r in self.reward_fns])  # (N_rank,)
-            all_table = self._gather(rnd.rewards)  # (N, F)
-            all_rewards = self._gather(rewards)  # (N,)
-            advantages_all, adv_stats = group_advantages(all_rewards, G, cfg.scale_rewards)  # (N,)
-            advantages = advantages_all[self.rank * n_local : (self.rank + 1) * n_local]  # (N_rank,)
-            lengths = self._gather(torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float))  # (N,)
-            truncated = self._gather(torch.tensor([r.truncated for r in rollouts], dtype=torch.float))  # (N,)
+        # --- advantage: group statistics over the rewards of every rank ---
+        rewards = rewards_lib.combine(rnd.rewards, [r.weight for r in self.reward_fns])  # (N_rank,)
+        all_table = self._gather(rnd.rewards)  # (N, F)
+        all_rewards = self._gather(rewards)  # (N,)
+        advantages_all, adv_stats = group_advantages(all_rewards, G, cfg.scale_rewards)  # (N,)
+        advantages = advantages_all[self.rank * n_local : (self.rank + 1) * n_local]  # (N_rank,)
+        lengths = self._gather(torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float))  # (N,)
+        truncated = self._gather(torch.tensor([r.truncated for r in rollouts], dtype=torch.float))  # (N,)
 
-            C = max(1, max(len(r.completion_ids) for r in rollouts))
-            old_logps = _pad_rows(self._logprobs_no_grad(self.model, rollouts), C) if need_proximal else None  # (N_rank, C)
-            ref_logps = _pad_rows(self._logprobs_no_grad(self.ref_model, rollouts), C) if self.ref_model is not None else None
-            behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C) if off_policy else None  # (N_rank, C)
-            staleness = self._staleness(rollouts) if off_policy else {}
+        C = max(1, max(len(r.completion_ids) for r in rollouts))
+        old_logps = _pad_rows(self._logprobs_no_grad(self.model, rollouts), C) if need_proximal else None  # (N_rank, C)
+        ref_logps = _pad_rows(self._logprobs_no_grad(self.ref_model, rollouts), C) if self.ref_model is not None else None
+        behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C) if off_policy else None  # (N_rank, C)
+        staleness = self._staleness(rollouts) if off_policy else {}
 
-            # --- update ---
-            step_tokens = self._step_tokens(rollouts, rnd.index)  # (num_iterations, steps_per_generation // GA)
-            micro_size = cfg.per_device_train_batch_size
-            for it in range(cfg.num_iterations):
-                order = self._order(n_local, rnd.index, it)
-                for opt_step in range(cfg.steps_per_generation // GA):
-                    t_train = time.perf_counter()
-                    stats: dict[str, list] = {}
-                    loss_sum = 0.0
-                    for m in range(GA):
-                        lo = (opt_step * GA + m) * micro_size
-                        idx = order[lo : lo + micro_size]
-                        norm = Normalisation(
-                            max_completion_length=cfg.max_completion_length,
-                            grad_accum=GA,
-                            step_tokens=float(step_tokens[it, opt_step]),
-                            world_size=self.world,
-                        )
-                        loss, mstats = self._micro_step(rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm, sync=m == GA - 1)
-                        loss_sum += loss
-                        for k, v in mstats.items():
-                            stats.setdefault(k, []).append(v)
-                    grad_norm = self._optimizer_step()
-                    self.global_step += 1
-                    first = it == 0 and opt_step == 0
-                    final = it == cfg.num_iterations - 1 and opt_step == cfg.steps_per_generation // GA - 1
-                    sync_seconds = self._sync_weights(rnd.index) if final else 0.0
-                    record = {
-                        "step": self.global_step,
-                        "timestamp": time.time(),
-                        "round": rnd.index,
-                        "policy_version": self.engine.version,
-                        "loss": loss_sum,
-                        "grad_norm": grad_norm,
-                        "learning_rate": self.scheduler.get_last_lr()[0],
-                        **{k: _combine(k, torch.stack(v)) for k, v in stats.items()},
-                    }
-                    record = self._reduce_across_ranks(record)
-                    record.setdefault("kl", None)  # no reference model when beta = 0
-                    round_seconds = time.perf_counter() - round_start
-                    record.update(self._round_metrics(rnd, all_table, all_rewards, adv_stats, lengths, truncated, round_seconds, first))
-                    record.update(staleness)
-                    record["time/train"] = time.perf_counter() - t_train - sync_seconds
-                    record["time/weight_sync"] = sync_seconds
-                    self._log(record, bar)
-                    if first:
-                        self._log_completions(rnd, all_rewards, advantages_all)
-                    if cfg.save_steps and self.global_step % cfg.save_steps == 0:
-                        self.save()
-                    last = record
-                    if self.global_step >= cfg.max_steps:
-                        break
+        # --- update ---
+        step_tokens = self._step_tokens(rollouts, rnd.index)  # (num_iterations, steps_per_generation // GA)
+        micro_size = cfg.per_device_train_batch_size
+        record: dict = {}
+        for it in range(cfg.num_iterations):
+            order = self._order(n_local, rnd.index, it)
+            for opt_step in range(cfg.steps_per_generation // GA):
+                t_train = time.perf_counter()
+                stats: dict[str, list] = {}
+                loss_sum = 0.0
+                for m in range(GA):
+                    lo = (opt_step * GA + m) * micro_size
+                    idx = order[lo : lo + micro_size]
+                    norm = Normalisation(
+                        max_completion_length=cfg.max_completion_length,
+                        grad_accum=GA,
+                        step_tokens=float(step_tokens[it, opt_step]),
+                        world_size=self.world,
+                    )
+                    loss, mstats = self._micro_step(rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm, sync=m == GA - 1)
+                    loss_sum += loss
+                    for k, v in mstats.items():
+                        stats.setdefault(k, []).append(v)
+                grad_norm = self._optimizer_step()
+                self.global_step += 1
+                first = it == 0 and opt_step == 0
+                final = (it == cfg.num_iterations - 1 and opt_step == cfg.steps_per_generation // GA - 1) or self.global_step >= cfg.max_steps
+                if final:
+                    self._sampler_state = rnd.sampler_state  # this round is trained: a checkpoint continues after it
+                # --- sync weights ---
+                sync_seconds = self._sync_weights(rnd.index) if final else 0.0
+                # --- log ---
+                record = {
+                    "step": self.global_step,
+                    "timestamp": time.time(),
+                    "round": rnd.index,
+                    "policy_version": self.version,
+                    "loss": loss_sum,
+                    "grad_norm": grad_norm,
+                    "learning_rate": self.scheduler.get_last_lr()[0],
+                    **{k: _combine(k, torch.stack(v)) for k, v in stats.items()},
+                }
+                record = self._reduce_across_ranks(record)
+                record.setdefault("kl", None)  # no reference model when beta = 0
+                round_seconds = time.perf_counter() - round_start
+                record.update(self._round_metrics(rnd, all_table, all_rewards, adv_stats, lengths, truncated, round_seconds, first))
+                record.update(staleness)
+                record["time/train"] = time.perf_counter() - t_train - sync_seconds
+                record["time/weight_sync"] = sync_seconds
+                self._log(record, bar)
+                if first:
+                    self._log_completions(rnd, all_rewards, advantages_all)
                 if self.global_step >= cfg.max_steps:
-                    break
-        bar.close()
-        if not cfg.save_steps or self.global_step % cfg.save_steps:
-            self.save()
-        return last
+                    return record
+        return record
 
     # ------------------------------------------------------------------ phases
 
@@ -393,20 +443,17 @@ class Trainer:
         version live now; so the push waits for it (it runs in parallel with the training just
         done, so this wait is usually zero)."""
         t = time.perf_counter()
-        version = self.engine.version + 1
+        self.version += 1
         if self.config.async_generate and self.global_step < self.config.max_steps:
             self.producer.wait_generated(trained_round + self.config.max_staleness)
             if self.world > 1:
                 self.accelerator.wait_for_everyone()
-        if self.client is None:
-            self.engine.version = version
-        elif self.is_main:
-            self.engine.push(self._policy_weights(), version)
+        if self.client is not None and self.is_main:
+            self.engine.push(self._policy_weights(), self.version)
             if self.config.verify_weight_sync:
-                self._verify_weights(version)
-        else:
-            self.engine.version = version
-        self.producer.set_live_version(version)
+                self._verify_weights(self.version)
+        self.engine.version = self.version
+        self.producer.set_live_version(self.version)
         return time.perf_counter() - t
 
     @torch.no_grad()
@@ -513,18 +560,43 @@ class Trainer:
             )
 
     def save(self) -> Path | None:
-        self.accelerator.wait_for_everyone()
-        if not self.is_main:
-            return None
-        state = {
-            "global_step": self.global_step,
-            "policy_version": self.engine.version,
-            "round": self.producer.round_index,
-            "sampler": self.sampler.state_dict(),
-        }
-        return save_checkpoint(
-            self.out, self.global_step, self.accelerator.unwrap_model(self.model), self.tokenizer, self.config.to_dict(), state
-        )
+        """A checkpoint every rank contributes to (its RNG state and the rounds it generated
+        ahead); rank 0 writes the rest and moves `latest`. Called between rounds only."""
+        step, acc = self.global_step, self.accelerator
+        acc.wait_for_everyone()
+        if self.is_main:
+            checkpoint.start(self.out, step)
+        acc.wait_for_everyone()
+        tmp = checkpoint.staging_dir(self.out, step)
+        # Rounds generated ahead (async) are saved, not regenerated: they were made with weights
+        # this checkpoint does not hold. Every rank keeps the same number so the sampler agrees.
+        ahead = self.producer.pending()
+        keep = len(ahead)
+        if self.world > 1:
+            keep = int(self._gather(torch.tensor([keep])).min())
+        ahead = ahead[:keep]
+        torch.save(checkpoint.rng_state(), tmp / f"rng_state_{self.rank}.pt")
+        (tmp / f"rounds_{self.rank}.json").write_text(json.dumps([r.to_dict() for r in ahead]))
+        acc.wait_for_everyone()
+        path = None
+        if self.is_main:
+            model = acc.unwrap_model(self.model)
+            model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            (tmp / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+            state = {
+                "global_step": step,
+                "policy_version": self.version,
+                "round": self.producer.round_index,  # the next round to train
+                "rounds_ahead": keep,
+                "sampler": ahead[-1].sampler_state if ahead else self._sampler_state,
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            path = checkpoint.finish(self.out, step, self.config.save_total_limit)
+        acc.wait_for_everyone()
+        return path
 
     def close(self) -> None:
         self.producer.close()
@@ -534,6 +606,16 @@ class Trainer:
             if w is not None:
                 w.close()
         self.accelerator.end_training()
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop lines logged after `step` by a run that died after its last checkpoint."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
 
 
 def _combine(key: str, values: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,12 @@ than its own and a run is reproducible whatever the timing. The thread does HTTP
 scoring only, never a collective.
 """
 
+import math
 import threading
 import time
 from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -56,7 +57,28 @@ class Round:
     completions: list  # decoded completions as the reward functions saw them
     generate_seconds: float
     reward_seconds: float
+    sampler_state: dict  # the sampler right after this round took its prompts
     wait_seconds: float = 0.0  # how long the trainer sat waiting for this round
+
+    def to_dict(self) -> dict:
+        """JSON-ready (floats round-trip exactly through JSON; NaN rewards become null)."""
+        return {
+            "index": self.index,
+            "rollouts": [asdict(r) for r in self.rollouts],
+            "rewards": [[None if math.isnan(v) else v for v in row] for row in self.rewards.tolist()],
+            "completions": self.completions,
+            "generate_seconds": self.generate_seconds,
+            "reward_seconds": self.reward_seconds,
+            "sampler_state": self.sampler_state,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Round":
+        rewards = torch.tensor([[math.nan if v is None else v for v in row] for row in d["rewards"]], dtype=torch.float32)
+        return cls(
+            d["index"], [Rollout(**r) for r in d["rollouts"]], rewards, d["completions"],
+            d["generate_seconds"], d["reward_seconds"], d["sampler_state"],
+        )  # fmt: skip
 
 
 class SyncProducer:
@@ -84,8 +106,22 @@ class SyncProducer:
         self.seed = seed
         self.max_staleness = max_staleness
         self.round_index = 0  # the next round the trainer will get
+        self._ready: dict[int, Round] = {}
+
+    def start(self, first_round: int = 0, ready: list[Round] = ()) -> None:
+        """Begin at round first_round; `ready` are rounds already generated (from a checkpoint)."""
+        self.round_index = first_round
+        self._ready = {rnd.index: rnd for rnd in ready}
+
+    def pending(self) -> list[Round]:
+        """Rounds generated but not yet handed to the trainer, in order (for a checkpoint)."""
+        return []
 
     def next_round(self) -> Round:
+        if self.round_index in self._ready:
+            rnd = self._ready.pop(self.round_index)
+            self.round_index += 1
+            return rnd
         t = time.perf_counter()
         rnd = self._make_round(self.round_index)
         self.round_index += 1
@@ -124,7 +160,7 @@ class SyncProducer:
         ]
         table, completions = self.score(rollouts)
         t2 = time.perf_counter()
-        return Round(r, rollouts, table, completions, t1 - t0, t2 - t1)
+        return Round(r, rollouts, table, completions, t1 - t0, t2 - t1, self.sampler.state_dict())
 
     def score(self, rollouts: list[Rollout]) -> tuple[torch.Tensor, list]:
         texts = self.tokenizer.batch_decode([ro.completion_ids for ro in rollouts], skip_special_tokens=True)
@@ -163,14 +199,30 @@ class AsyncProducer(SyncProducer):
         self._futures: dict[int, Future] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="tandem-producer", daemon=True)
+
+    def start(self, first_round: int = 0, ready: list[Round] = ()) -> None:
+        self.round_index = first_round
+        for rnd in ready:
+            self._future(rnd.index).set_result(rnd)
+        self._first_to_generate = first_round + len(ready)
         self._thread.start()
+
+    def pending(self) -> list[Round]:
+        out, r = [], self.round_index
+        while True:
+            with self._cv:
+                future = self._futures.get(r)
+            if future is None or not future.done() or future.exception() is not None:
+                return out
+            out.append(future.result())
+            r += 1
 
     def _future(self, r: int) -> Future:
         with self._cv:
             return self._futures.setdefault(r, Future())
 
     def _run(self) -> None:
-        r = 0
+        r = self._first_to_generate
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._live_version >= r - self.max_staleness or self._stopped)
