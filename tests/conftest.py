@@ -39,8 +39,8 @@ def free_port() -> int:
 class Server:
     """`tandem rollout` in its own process."""
 
-    def __init__(self, model, *extra):
-        self.port = free_port()
+    def __init__(self, model, *extra, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads (a full pipe blocks)
         self.proc = subprocess.Popen(

@@ -358,7 +358,14 @@ class Trainer:
                 if final:
                     self._sampler_state = rnd.sampler_state  # this round is trained: a checkpoint continues after it
                 # --- sync weights ---
-                sync_seconds = self._sync_weights(rnd.index) if final else 0.0
+                # The step is taken whatever happens to the push: a failed push is raised only
+                # after the step's metrics are logged, so a checkpoint of it leaves no gap in them.
+                sync_error, sync_seconds = None, 0.0
+                if final:
+                    try:
+                        sync_seconds = self._sync_weights(rnd.index)
+                    except RolloutServerError as exc:
+                        sync_error, sync_seconds = exc, float("nan")
                 # --- log ---
                 record = {
                     "step": self.global_step,
@@ -380,6 +387,8 @@ class Trainer:
                 self._log(record, bar)
                 if first:
                     self._log_completions(rnd, all_rewards, advantages_all)
+                if sync_error is not None:
+                    raise sync_error
                 if self.global_step >= cfg.max_steps:
                     return record
         return record
