@@ -69,3 +69,28 @@ class Server:
     def kill(self):
         self.proc.kill()
         self.proc.wait(timeout=10)
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, limit: float = 180) -> None:
+    """Until metrics.jsonl in `out` has `step` lines; fails if the run ends first."""
+    deadline = time.monotonic() + limit
+    path = out / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= step):
+        assert proc.poll() is None, "the run ended before the step"
+        assert time.monotonic() < deadline, f"no step {step} within {limit}s"
+        time.sleep(0.05)
+
+
+def kill_server_mid_run(server: "Server", trainer: subprocess.Popen, out: Path, step: int, timeout: float) -> tuple[str, float]:
+    """SIGKILL the server once the run logged `step`; returns the trainer's stderr and the
+    seconds from the kill to the trainer's exit."""
+    try:
+        wait_for_step(out, step, trainer)
+        server.kill()
+        killed = time.monotonic()
+        _, stderr = trainer.communicate(timeout=timeout)
+        return stderr, time.monotonic() - killed
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        server.stop()

@@ -5,12 +5,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import Server, free_port
+from conftest import Server, free_port, kill_server_mid_run
 from tandem.demo import addition_rows, write_jsonl
 
 DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
@@ -135,20 +134,8 @@ def test_killing_the_server_stops_every_process_with_an_error_naming_it(tiny_mod
                      "--rollout_server_urls", server.url, "--rollout_server_timeout", "5",
                      "--async_generate", "true" if mode == "async" else "false")  # fmt: skip
     trainer = subprocess.Popen(command(procs, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        deadline = time.monotonic() + 120
-        while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
-            assert trainer.poll() is None and time.monotonic() < deadline, "the run should be training"
-            time.sleep(0.2)
-        server.kill()
-        killed = time.monotonic()
-        # rollout_server_timeout (5 s) of retries, plus start-up of the error path and torchrun's shutdown
-        _, stderr = trainer.communicate(timeout=60)
-        waited = time.monotonic() - killed
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-        server.stop()
+    # rollout_server_timeout (5 s) of retries, plus the error path and torchrun's shutdown
+    stderr, waited = kill_server_mid_run(server, trainer, out, step=2, timeout=60)
     assert trainer.returncode != 0
     assert f"rollout server {server.url}" in stderr and "rollout_server_timeout=5.0s" in stderr, stderr[-3000:]
     assert waited < 60

@@ -8,7 +8,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from conftest import Server
+from conftest import Server, kill_server_mid_run, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from test_async import DIGITS, ENV, base_args, command, read
 
@@ -18,15 +18,6 @@ def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("resume")
     (folder / "digits.py").write_text(DIGITS)
     return write_jsonl(addition_rows(0), folder / "data.jsonl")
-
-
-def wait_for_step(out, step, proc, limit=180):
-    deadline = time.monotonic() + limit
-    path = out / "metrics.jsonl"
-    while not (path.exists() and len(path.read_text().splitlines()) >= step):
-        assert proc.poll() is None, "the run ended before the step"
-        assert time.monotonic() < deadline, f"no step {step} within {limit}s"
-        time.sleep(0.05)
 
 
 def final_weights(out, step):
@@ -108,16 +99,7 @@ def test_a_server_that_stays_down_stops_the_run_with_a_checkpoint_to_resume(tiny
     extra = ["--max_steps", "8", "--save_steps", "100", "--rollout_server_timeout", "5", "--rollout_mode", "server"]
     trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 32, *extra, "--rollout_server_urls", server.url)),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
-    try:
-        wait_for_step(out, 3, trainer)
-        server.kill()
-        killed = time.monotonic()
-        _, stderr = trainer.communicate(timeout=120)
-        waited = time.monotonic() - killed
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-        server.stop()
+    stderr, waited = kill_server_mid_run(server, trainer, out, step=3, timeout=120)
     assert trainer.returncode == 1
     assert waited < 5 + 30, waited  # rollout_server_timeout plus saving and exiting
     assert "did not answer" in stderr and "resume with --resume_from_checkpoint latest" in stderr, stderr[-3000:]

@@ -131,7 +131,7 @@ class RolloutClient:
             pushed = f"pushed weights version {self._last_pushed[0]} again" if self._last_pushed else "nothing pushed yet"
             log.warning(f"rollout server {url} restarted: it was unreachable for {restarted.down_seconds:.1f}s; {pushed}; repeating the request")
 
-    def _retrying(self, fn, url: str):
+    def _retrying(self, fn):
         """fn(), again after a resync each time the server turns out to have restarted."""
         while True:
             try:
@@ -185,7 +185,7 @@ class RolloutClient:
                 "min_version": min_version,
                 "version_timeout": version_timeout,
             }
-            out = self._retrying(lambda: self._call("POST", url, "/generate", "a generate request", json=body), url)["completions"]
+            out = self._retrying(lambda: self._call("POST", url, "/generate", "a generate request", json=body))["completions"]
             if len(out) != hi - lo:
                 raise RolloutServerError(f"rollout server {url} returned {len(out)} completions for {hi - lo} prompts")
             return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], c["version"]) for c in out]
@@ -209,7 +209,7 @@ class RolloutClient:
                 first[0] = False
                 return self._push_one(url, named, version, forced)
 
-            return self._retrying(attempt, url)
+            return self._retrying(attempt)
 
         return self._each(one, self.urls)
 

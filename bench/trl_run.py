@@ -1,0 +1,67 @@
+"""TRL's GRPOTrainer on the benchmark task; runs inside bench/vs_trl.py's own TRL environment.
+
+Writes one JSON line per optimizer step: wall-clock timestamp, reward, completion length.
+"""
+
+import argparse
+import json
+import time
+
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+
+def exact_match(prompts, completions, answer, **kwargs):
+    return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+
+class StepLog(TrainerCallback):
+    def __init__(self, path):
+        self.fh = open(path, "w")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            record = {"step": state.global_step, "timestamp": time.time(), "reward": logs["reward"],
+                      "mean_length": logs.get("completions/mean_length")}  # fmt: skip
+            self.fh.write(json.dumps(record) + "\n")
+            self.fh.flush()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for name, kind in [("model", str), ("data", str), ("out", str), ("steps", int), ("batch", int), ("num_generations", int),
+                       ("max_completion_length", int), ("learning_rate", float), ("seed", int)]:  # fmt: skip
+        ap.add_argument(f"--{name}", type=kind, required=True)
+    args = ap.parse_args()
+    config = GRPOConfig(
+        output_dir=args.out + ".trl",
+        per_device_train_batch_size=args.batch,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        loss_type="dapo",
+        temperature=1.0,
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(args.model),
+        processing_class=AutoTokenizer.from_pretrained(args.model),
+        reward_funcs=[exact_match],
+        args=config,
+        train_dataset=load_dataset("json", data_files=args.data, split="train"),
+        callbacks=[StepLog(args.out)],
+    )
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
