@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.sampling import filter_logits, sample
 from tandem.rollout.types import Rollout, SamplingParams
-from tandem.trainer.loop import collate, completion_logprobs
+from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_behaviour_logprobs_equal_the_trainers_recompute(engine):
     rollouts = [Rollout(0, 0, p, o.token_ids, o.logprobs, o.finish_reason, 0) for p, o in zip(PROMPTS, outs)]
     mb = collate(rollouts, tok.pad_token_id, "cpu", False)
     with torch.no_grad():
-        logps, _ = completion_logprobs(eng.model, mb, 0.7)
+        logps, _ = completion_logprobs(PrefixSharingLM(eng.model), mb, 0.7)
     for i, o in enumerate(outs):
         assert logps[i, : len(o.token_ids)].tolist() == pytest.approx(o.logprobs, abs=1e-5)
 

@@ -108,22 +108,34 @@ class TransformersEngine:
             seen.scatter_(1, input_ids, attention.bool())
         eos = torch.tensor(self.eos_token_ids, device=device)
 
+        # Prefill each distinct prompt once (a group's G completions share one), then give every
+        # sequence its own copy of the prompt's KV cache.
+        keys: dict[tuple, int] = {}
+        rows = []  # one row holding each distinct prompt
+        for i, p in enumerate(prompts):
+            if tuple(p) not in keys:
+                keys[tuple(p)] = len(keys)
+                rows.append(i)
+        index = torch.tensor([keys[tuple(p)] for p in prompts], device=device)  # (N,)
+        first = torch.tensor(rows, device=device)  # (U,)
+        out = self.model(
+            input_ids=input_ids[first], attention_mask=attention[first], position_ids=positions[first], use_cache=True, logits_to_keep=1
+        )
+        cache = out.past_key_values
+        cache.reorder_cache(index)  # (U, ...) -> (N, ...)
+        logits = out.logits[:, -1, :].float()[index]  # (N, V)
+
         tokens, logps = [], []
         done = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
         finished_by_eos = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
-        cache = None
-        step_ids, step_pos = input_ids, positions
-        for _ in range(params.max_tokens):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=attention,
-                position_ids=step_pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()  # (N, V)
+        step_pos = positions[:, -1:]  # (N, 1)
+        for step in range(params.max_tokens):
+            if step > 0:
+                out = self.model(
+                    input_ids=step_ids, attention_mask=attention, position_ids=step_pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+                )
+                cache = out.past_key_values
+                logits = out.logits[:, -1, :].float()  # (N, V)
             scores = apply_repetition_penalty(logits, seen, params.repetition_penalty) / params.temperature
             scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)
             tok = sample(scores, generators)  # (N,)

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,13 +23,14 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from tandem import rewards as rewards_lib
-from tandem.algo import Normalisation, entropy_from_logits, group_advantages, importance_weights, policy_loss, token_logprobs
+from tandem.algo import Normalisation, group_advantages, importance_weights, policy_loss
 from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset
 from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.weights import fingerprint
 from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint
+from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.metrics import JsonlWriter
 from tandem.trainer.producer import AsyncProducer, PromptTable, Round, SyncProducer, completion_seed
@@ -55,60 +55,6 @@ def load_prompts(config: TrainConfig, tokenizer) -> tuple[PromptTable, int]:
     if not table.prompt_ids:
         raise ValueError(f"all {skipped} prompts are longer than max_prompt_length={config.max_prompt_length}; raise it")
     return table, skipped
-
-
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # (n, P + C): prompts left-padded, completions right-padded
-    attention_mask: torch.Tensor  # (n, P + C)
-    position_ids: torch.Tensor  # (n, P + C), as the engine numbered them
-    completion_ids: torch.Tensor  # (n, C)
-    completion_mask: torch.Tensor  # (n, C) float, 1 on tokens the loss covers
-
-
-def collate(rollouts: list[Rollout], pad_id: int, device, mask_truncated: bool) -> MicroBatch:
-    n = len(rollouts)
-    P = max(len(r.prompt_ids) for r in rollouts)
-    C = max(1, max(len(r.completion_ids) for r in rollouts))
-    prompt = torch.full((n, P), pad_id, dtype=torch.long)  # (n, P)
-    prompt_mask = torch.zeros((n, P), dtype=torch.long)
-    completion = torch.full((n, C), pad_id, dtype=torch.long)  # (n, C)
-    completion_mask = torch.zeros((n, C), dtype=torch.long)
-    for i, r in enumerate(rollouts):
-        prompt[i, P - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-        prompt_mask[i, P - len(r.prompt_ids) :] = 1
-        completion[i, : len(r.completion_ids)] = torch.tensor(r.completion_ids, dtype=torch.long)
-        completion_mask[i, : len(r.completion_ids)] = 1
-    attention = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, P + C)
-    loss_mask = completion_mask.clone()
-    if mask_truncated:
-        truncated = torch.tensor([r.truncated for r in rollouts])  # (n,)
-        loss_mask[truncated] = 0
-    return MicroBatch(
-        input_ids=torch.cat([prompt, completion], dim=1).to(device),
-        attention_mask=attention.to(device),
-        position_ids=(attention.cumsum(-1) - 1).clamp(min=0).to(device),
-        completion_ids=completion.to(device),
-        completion_mask=loss_mask.float().to(device),
-    )
-
-
-def completion_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False):
-    """Per-token log-probs (n, C) of the completion tokens, and their entropy (n, C) if asked."""
-    C = mb.completion_ids.shape[1]
-    logits = model(
-        input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        position_ids=mb.position_ids,
-        use_cache=False,
-        logits_to_keep=C + 1,
-    ).logits[:, :-1, :]  # (n, C, V): position t predicts completion token t
-    logps = token_logprobs(logits.float(), mb.completion_ids, temperature)  # (n, C)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits, temperature)  # (n, C)
-    return logps, entropy
 
 
 def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -158,8 +104,8 @@ class Trainer:
         model = AutoModelForCausalLM.from_pretrained(self.resume_dir or config.model_name_or_path)
         self.ref_model = None
         if config.beta != 0.0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(self.accelerator.device)
-            self.ref_model.eval().requires_grad_(False)
+            ref = AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(self.accelerator.device)
+            self.ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
         optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=config.learning_rate,
@@ -173,7 +119,8 @@ class Trainer:
             num_warmup_steps=math.ceil(config.warmup_ratio * config.max_steps),
             num_training_steps=config.max_steps,
         )
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # The trainer's forward goes through PrefixSharingLM; the engine, pushes and checkpoints use the LM inside.
+        self.model, self.optimizer = self.accelerator.prepare(PrefixSharingLM(model), optimizer)
         self.global_step = state["global_step"] if state else 0
         self.version = state["policy_version"] if state else 0  # rounds trained = the policy version of our weights
         if state:
@@ -185,7 +132,7 @@ class Trainer:
             self.engine = self._connect()
         else:
             eos_ids = self._eos_ids(model)
-            self.engine = TransformersEngine(self.accelerator.unwrap_model(self.model), eos_ids, self.tokenizer.pad_token_id, self.version)
+            self.engine = TransformersEngine(self._lm(), eos_ids, self.tokenizer.pad_token_id, self.version)
         G = config.num_generations
         self.sampler = GroupSampler(
             len(self.table.prompt_ids), config.completions_per_round() // G, config.seed, self.rank, self.world, config.shuffle_dataset
@@ -254,7 +201,11 @@ class Trainer:
                 )
 
     def _policy_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.accelerator.unwrap_model(self.model).named_parameters())
+        return list(self._lm().named_parameters())
+
+    def _lm(self) -> torch.nn.Module:
+        """The causal LM being trained, outside DDP and the prefix-sharing wrapper."""
+        return self.accelerator.unwrap_model(self.model).lm
 
     def _eos_ids(self, model) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -309,7 +260,10 @@ class Trainer:
         round_start = time.perf_counter()
 
         # --- generate (and score) ---
-        rnd = self.producer.next_round()
+        # A colocated engine runs here, in the trainer's thread: under the same autocast as the
+        # training forward (bf16), so the behaviour log-probs come from the same numerics.
+        with self.accelerator.autocast():
+            rnd = self.producer.next_round()
         rollouts = rnd.rollouts  # (N_rank,)
         n_local = len(rollouts)
 
@@ -589,8 +543,7 @@ class Trainer:
         acc.wait_for_everyone()
         path = None
         if self.is_main:
-            model = acc.unwrap_model(self.model)
-            model.save_pretrained(tmp)
+            self._lm().save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             (tmp / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
             state = {
