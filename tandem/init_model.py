@@ -6,7 +6,6 @@ The model is a Qwen2 architecture at random init; `warmup_sft` can then teach it
 by plain supervised learning, which the demo uses before RL (see README).
 """
 
-import string
 from pathlib import Path
 
 import torch

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.rollout.types import Rollout
-from tandem.trainer.checkpoint import latest_checkpoint, save_checkpoint
+from tandem.trainer import checkpoint
+from tandem.trainer.checkpoint import latest_checkpoint
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 
 
@@ -72,16 +73,22 @@ class _FailingTokenizer:
         raise OSError("disk full")
 
 
+def _save(out, step, model, tokenizer):
+    """The trainer's sequence: staging folder, files, then finish (fsync, rename, move latest)."""
+    tmp = checkpoint.start(out, step)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    return checkpoint.finish(out, step)
+
+
 def test_a_failed_save_leaves_latest_on_the_previous_checkpoint(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    save_checkpoint(tmp_path, 1, model, tok, {"seed": 1}, {"global_step": 1})
-    try:
-        save_checkpoint(tmp_path, 2, model, _FailingTokenizer(), {"seed": 1}, {"global_step": 2})
-    except OSError:
-        pass
+    _save(tmp_path, 1, model, tok)
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, 2, model, _FailingTokenizer())
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
     assert not (tmp_path / "checkpoint-2").exists()
 
@@ -90,13 +97,15 @@ def test_killing_a_process_mid_save_never_breaks_latest(tiny_model, tmp_path):
     """SIGKILL a process that saves checkpoints in a loop; `latest` must always load."""
     script = textwrap.dedent(
         f"""
-        import sys
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from tandem.trainer.checkpoint import save_checkpoint
+        from tandem.trainer import checkpoint
         model = AutoModelForCausalLM.from_pretrained({str(tiny_model)!r})
         tok = AutoTokenizer.from_pretrained({str(tiny_model)!r})
         for step in range(1, 1000):
-            save_checkpoint({str(tmp_path)!r}, step, model, tok, {{}}, {{"global_step": step}})
+            tmp = checkpoint.start({str(tmp_path)!r}, step)
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            checkpoint.finish({str(tmp_path)!r}, step)
             print(step, flush=True)
         """
     )

@@ -7,6 +7,7 @@ import torch
 from tandem.algo import token_logprobs
 from tandem.rollout.sampling import apply_repetition_penalty, filter_logits, sample
 from tandem.rollout.types import Completion, SamplingParams
+from tandem.rollout.weights import check_weights
 
 
 class Engine(Protocol):
@@ -56,13 +57,7 @@ class TransformersEngine:
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())
-        missing = sorted(set(params) - set(weights))
-        unknown = sorted(set(weights) - set(params))
-        if missing or unknown:
-            raise ValueError(f"weight update does not match the model: missing {missing[:5]}, unknown {unknown[:5]}")
-        for name, t in weights.items():
-            if tuple(t.shape) != tuple(params[name].shape):
-                raise ValueError(f"weight {name}: shape {tuple(t.shape)} does not match the model's {tuple(params[name].shape)}")
+        check_weights(params, weights, complete=True)
         for name, t in weights.items():
             p = params[name]
             if t.dtype == p.dtype and t.device == p.device:
@@ -130,12 +125,6 @@ class TransformersEngine:
         finished_by_eos = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
         step_pos = positions[:, -1:]  # (N, 1)
         for step in range(params.max_tokens):
-            if step > 0:
-                out = self.model(
-                    input_ids=step_ids, attention_mask=attention, position_ids=step_pos, past_key_values=cache, use_cache=True, logits_to_keep=1
-                )
-                cache = out.past_key_values
-                logits = out.logits[:, -1, :].float()  # (N, V)
             scores = apply_repetition_penalty(logits, seen, params.repetition_penalty) / params.temperature
             scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)
             tok = sample(scores, generators)  # (N,)
@@ -148,11 +137,16 @@ class TransformersEngine:
             done |= hit_eos
             if params.repetition_penalty != 1.0:
                 seen[torch.arange(n, device=device), tok] = True
-            if bool(done.all()):
+            if bool(done.all()) or step == params.max_tokens - 1:
                 break
-            step_ids = tok.unsqueeze(1)  # (N, 1)
-            step_pos = step_pos[:, -1:] + 1  # (N, 1)
+            # the next token's logits, one decode step on the cache
+            step_pos = step_pos + 1  # (N, 1)
             attention = torch.cat([attention, torch.ones((n, 1), dtype=attention.dtype, device=device)], dim=1)
+            out = self.model(
+                input_ids=tok.unsqueeze(1), attention_mask=attention, position_ids=step_pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()  # (N, V)
 
         token_mat = torch.stack(tokens, dim=1).cpu()  # (N, T)
         logp_mat = torch.stack(logps, dim=1).cpu()  # (N, T)

@@ -25,9 +25,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         logits = logits.masked_fill(probs < floor, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (N, V)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)  # (N, V)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # (N, V)
         # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -11,7 +11,7 @@ import torch
 
 from tandem.rollout.engine import Engine
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import fingerprint
+from tandem.rollout.weights import check_weights, fingerprint
 
 
 class NotReady(RuntimeError):
@@ -198,12 +198,7 @@ class RolloutService:
     def stage(self, update_id: str, tensors: dict[str, torch.Tensor]) -> int:
         """Hold tensors of an update aside; nothing is live until commit. Returns tensors staged so far."""
         engine = self._need_engine()
-        params = dict(engine.named_weights())
-        for name, t in tensors.items():
-            if name not in params:
-                raise ValueError(f"weight {name!r} is not a parameter of the served model")
-            if tuple(t.shape) != tuple(params[name].shape):
-                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match the model's {tuple(params[name].shape)}")
+        check_weights(dict(engine.named_weights()), tensors, complete=False)  # early: a bad chunk fails as it arrives
         with self._cv:
             staged = self._staged.get(update_id)
             if staged is None:

@@ -39,6 +39,18 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
+def check_weights(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], complete: bool) -> None:
+    """Raise ValueError unless every tensor names a parameter of the same shape (and, when
+    `complete`, every parameter is there)."""
+    unknown = sorted(set(tensors) - set(params))
+    missing = sorted(set(params) - set(tensors)) if complete else []
+    if unknown or missing:
+        raise ValueError(f"weights do not match the served model: unknown {unknown[:5]}, missing {missing[:5]}")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match the model's {tuple(params[name].shape)}")
+
+
 def host_id() -> str:
     """Same for two processes on one host (and one boot): they can share /dev/shm."""
     try:

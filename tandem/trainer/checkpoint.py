@@ -7,7 +7,6 @@ rounds_{rank}.json (rounds generated ahead of training in async mode). Everythin
 a hidden temporary folder, fsynced, and renamed into place; only then does `latest` move.
 """
 
-import json
 import os
 import random
 import re
@@ -65,18 +64,6 @@ def finish(output_dir: str | Path, step: int, save_total_limit: int | None = Non
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, config: dict, state: dict) -> Path:
-    """The single-process path: model, tokenizer, config and state in one atomic checkpoint."""
-    import yaml
-
-    tmp = start(output_dir, step)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-    return finish(output_dir, step)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -283,11 +283,11 @@ class Trainer:
         staleness = self._staleness(rollouts) if off_policy else {}
 
         # --- update ---
-        step_tokens = self._step_tokens(rollouts, rnd.index)  # (num_iterations, steps_per_generation // GA)
+        orders = [self._order(n_local, rnd.index, it) for it in range(cfg.num_iterations)]  # micro-batch order per pass
+        step_tokens = self._step_tokens(rollouts, orders)  # (num_iterations, steps_per_generation // GA)
         micro_size = cfg.per_device_train_batch_size
         record: dict = {}
-        for it in range(cfg.num_iterations):
-            order = self._order(n_local, rnd.index, it)
+        for it, order in enumerate(orders):
             for opt_step in range(cfg.steps_per_generation // GA):
                 t_train = time.perf_counter()
                 stats: dict[str, list] = {}
@@ -440,14 +440,13 @@ class Trainer:
         g = torch.Generator().manual_seed(completion_seed(self.config.seed, round_index, -1, iteration) & 0xFFFF_FFFF)
         return torch.randperm(n, generator=g).tolist()
 
-    def _step_tokens(self, rollouts: list[Rollout], round_index: int) -> torch.Tensor:
+    def _step_tokens(self, rollouts: list[Rollout], orders: list[list[int]]) -> torch.Tensor:
         """Completion tokens in each optimizer step of the round, summed over ranks (for dapo)."""
         cfg = self.config
         steps = cfg.steps_per_generation // cfg.gradient_accumulation_steps
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         counts = torch.zeros((cfg.num_iterations, steps))
-        for it in range(cfg.num_iterations):
-            order = self._order(len(rollouts), round_index, it)
+        for it, order in enumerate(orders):
             for s in range(steps):
                 idx = order[s * per_step : (s + 1) * per_step]
                 keep = [r for r in (rollouts[i] for i in idx) if not (cfg.mask_truncated_completions and r.truncated)]
