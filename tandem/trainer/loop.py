@@ -312,13 +312,17 @@ class Trainer:
                 if final:
                     self._sampler_state = rnd.sampler_state  # this round is trained: a checkpoint continues after it
                 # --- sync weights ---
-                # The step is taken whatever happens to the push: a failed push is raised only
-                # after the step's metrics are logged, so a checkpoint of it leaves no gap in them.
+                # The step is taken whatever happens to the push. Alone, a failed push is raised
+                # after the step's metrics are logged, so the emergency checkpoint leaves no gap in
+                # them. With several processes it is raised at once: the others may be waiting in
+                # the sync's barrier, and logging would start a different collective (a deadlock).
                 sync_error, sync_seconds = None, 0.0
                 if final:
                     try:
                         sync_seconds = self._sync_weights(rnd.index)
                     except RolloutServerError as exc:
+                        if self.world > 1:
+                            raise
                         sync_error, sync_seconds = exc, float("nan")
                 # --- log ---
                 record = {
@@ -559,14 +563,17 @@ class Trainer:
         acc.wait_for_everyone()
         return path
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """After a failure the process group is left alone: destroying it could wait on a rank
+        that is stuck in a collective; the launcher ends the other ranks when this one exits."""
         self.producer.close()
         if self.client is not None:
             self.client.close()
         for w in (self.metrics_log, self.completions_log):
             if w is not None:
                 w.close()
-        self.accelerator.end_training()
+        if ok:
+            self.accelerator.end_training()
 
 
 def _truncate_log(path: Path, step: int) -> None:
@@ -596,6 +603,9 @@ def _nanstd(x: torch.Tensor) -> float:
 def train(config: TrainConfig) -> dict:
     trainer = Trainer(config)
     try:
-        return trainer.train()
-    finally:
-        trainer.close()
+        result = trainer.train()
+    except BaseException:
+        trainer.close(ok=False)
+        raise
+    trainer.close()
+    return result
