@@ -1,6 +1,6 @@
 """Pure tensor math of GRPO: tensors and plain numbers in, (value, metrics) out."""
 
-from tandem.algo.advantages import SCALE_REWARDS, group_advantages
+from tandem.algo.advantages import SCALE_REWARDS, group_advantages, nanstd
 from tandem.algo.importance import OFF_POLICY_CORRECTIONS, importance_weights
 from tandem.algo.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs
 from tandem.algo.losses import (
@@ -22,6 +22,7 @@ __all__ = [
     "get_reduction",
     "group_advantages",
     "importance_weights",
+    "nanstd",
     "policy_loss",
     "register_loss",
     "selective_log_softmax",

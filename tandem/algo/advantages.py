@@ -5,14 +5,14 @@ import torch
 SCALE_REWARDS = ("group", "batch", "none")
 
 
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Unbiased standard deviation ignoring NaNs (torch.std semantics; NaN when fewer than 2 values)."""
     valid = ~torch.isnan(x)
     count = valid.sum() if dim is None else valid.sum(dim)
     mean = torch.nanmean(x) if dim is None else torch.nanmean(x, dim=dim, keepdim=True)
     sq = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x))
     total = sq.sum() if dim is None else sq.sum(dim)
-    return torch.sqrt(total / (count - 1))
+    return torch.sqrt(total / (count - 1).clamp(min=0))  # 0/0: NaN below two values
 
 
 def group_advantages(
@@ -33,12 +33,12 @@ def group_advantages(
         raise ValueError(f"rewards must be (B*G,) with G={num_generations}, got shape {tuple(rewards.shape)}")
     grouped = rewards.view(-1, num_generations)  # (B, G)
     mean = torch.nanmean(grouped, dim=1, keepdim=True)  # (B, 1)
-    group_std = _nanstd(grouped, dim=1)  # (B,)
+    group_std = nanstd(grouped, dim=1)  # (B,)
     advantages = grouped - mean  # (B, G)
     if scale_rewards == "group":
         advantages = advantages / (group_std.nan_to_num(0.0).unsqueeze(1) + eps)
     elif scale_rewards == "batch":
-        advantages = advantages / (_nanstd(rewards).nan_to_num(0.0) + eps)
+        advantages = advantages / (nanstd(rewards).nan_to_num(0.0) + eps)
     advantages = advantages.nan_to_num(0.0).reshape(-1)  # (N,)
     stats = {
         "reward_std_in_group": torch.nanmean(group_std).detach(),

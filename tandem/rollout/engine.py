@@ -10,6 +10,17 @@ from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import check_weights
 
 
+def eos_token_ids(tokenizer, lm, where: str) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(lm.generation_config, "eos_token_id", None)
+    ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
+    ids.discard(None)
+    if not ids:
+        raise ValueError(f"{where}: neither the tokenizer nor generation_config names an EOS token")
+    return sorted(ids)
+
+
 class Engine(Protocol):
     """What the producer and the rollout server need from an engine."""
 

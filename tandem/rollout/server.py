@@ -204,17 +204,13 @@ def load_engine(model: str, device: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tandem.rollout.engine import TransformersEngine
+    from tandem.rollout.engine import TransformersEngine, eos_token_ids
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     tokenizer = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device)
-    eos = {tokenizer.eos_token_id}
-    gen_eos = lm.generation_config.eos_token_id
-    eos |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
-    eos.discard(None)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = TransformersEngine(lm, sorted(eos), pad)
+    engine = TransformersEngine(lm, eos_token_ids(tokenizer, lm, model), pad)
     vocab = lm.get_output_embeddings().weight.shape[0]
     return engine, vocab, int(getattr(lm.config, "max_position_embeddings", 4096))
 

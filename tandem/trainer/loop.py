@@ -23,10 +23,10 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from tandem import rewards as rewards_lib
-from tandem.algo import Normalisation, group_advantages, importance_weights, policy_loss
+from tandem.algo import Normalisation, group_advantages, importance_weights, nanstd, policy_loss
 from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset
 from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
-from tandem.rollout.engine import TransformersEngine
+from tandem.rollout.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.weights import fingerprint
 from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint
@@ -131,7 +131,7 @@ class Trainer:
         if config.rollout_mode == "server":
             self.engine = self._connect()
         else:
-            eos_ids = self._eos_ids(model)
+            eos_ids = eos_token_ids(self.tokenizer, model, config.model_name_or_path)
             self.engine = TransformersEngine(self._lm(), eos_ids, self.tokenizer.pad_token_id, self.version)
         G = config.num_generations
         self.sampler = GroupSampler(
@@ -206,15 +206,6 @@ class Trainer:
     def _lm(self) -> torch.nn.Module:
         """The causal LM being trained, outside DDP and the prefix-sharing wrapper."""
         return self.accelerator.unwrap_model(self.model).lm
-
-    def _eos_ids(self, model) -> list[int]:
-        ids = {self.tokenizer.eos_token_id}
-        gen_eos = getattr(model.generation_config, "eos_token_id", None)
-        ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
-        ids.discard(None)
-        if not ids:
-            raise ValueError(f"{self.config.model_name_or_path}: neither the tokenizer nor generation_config names an EOS token")
-        return sorted(ids)
 
     # ------------------------------------------------------------------ the loop
 
@@ -481,7 +472,7 @@ class Trainer:
         tokens = float(lengths.sum())
         m = {
             "reward": torch.nanmean(rewards).item(),
-            "reward_std": _nanstd(rewards),
+            "reward_std": nanstd(rewards).nan_to_num(0.0).item(),
             "completions/mean_length": lengths.mean().item(),
             "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
@@ -496,7 +487,7 @@ class Trainer:
         }
         for j, fn in enumerate(self.reward_fns):
             m[f"rewards/{fn.name}/mean"] = torch.nanmean(table[:, j]).item()
-            m[f"rewards/{fn.name}/std"] = _nanstd(table[:, j])
+            m[f"rewards/{fn.name}/std"] = nanstd(table[:, j]).nan_to_num(0.0).item()
         return m
 
     def _log(self, record: dict, bar) -> None:
@@ -594,10 +585,6 @@ def _combine(key: str, values: torch.Tensor) -> torch.Tensor:
         return values.max()
     return values.mean()
 
-
-def _nanstd(x: torch.Tensor) -> float:
-    v = x[~torch.isnan(x)]
-    return v.std().item() if v.numel() > 1 else 0.0
 
 
 def train(config: TrainConfig) -> dict:
