@@ -10,10 +10,14 @@ DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "addition.ya
 
 def _train(args: argparse.Namespace) -> int:
     from tandem.trainer.config import config_from_args
-    from tandem.trainer.loop import train
+    from tandem.trainer.loop import NonFiniteStepError, train
 
     config = config_from_args(args)  # validated here, before any model loads
-    train(config)
+    try:
+        train(config)
+    except NonFiniteStepError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -105,11 +109,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reject_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """argparse's bare 'unrecognized arguments', with the closest option of the command (exits 2)."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    options = [o for o in sub._option_string_actions if o.startswith("--")]
+    lines = []
+    for arg in unknown:
+        name = arg.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, options, n=1)
+            lines.append(f"unknown option {name}" + (f"; did you mean {close[0]}?" if close else f"; see `tandem {command} --help`"))
+    sub.error("\n".join(lines) or f"unrecognized arguments: {' '.join(unknown)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from tandem.rollout.client import RolloutServerError
     from tandem.trainer.config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _reject_unknown(parser, args.command, unknown)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("tandem: %(message)s"))
     log = logging.getLogger("tandem")

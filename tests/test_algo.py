@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tandem.algo import LOSS_TYPES, Normalisation, group_advantages, policy_loss, token_logprobs
+from tandem.algo import LOSS_TYPES, Normalisation, group_advantages, importance_weights, policy_loss, token_logprobs
 from tandem.algo.losses import get_reduction
 
 # Two sequences, three token slots; old log-probs 0 so ratio = exp(logprobs).
@@ -179,21 +179,45 @@ IS_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     ],
 )
 def test_importance_weight_modes(mode, expected):
-    from tandem.algo import importance_weights
-
-    w, _ = importance_weights(PROX, BEHAV, IS_MASK, mode, cap=1.5)
+    w, _ = importance_weights(PROX, BEHAV, IS_MASK, mode, clip_max=1.5)
     assert torch.allclose(w, torch.tensor(expected, dtype=w.dtype), atol=1e-6), w
 
 
-def test_importance_weight_metrics():
-    from tandem.algo import importance_weights
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token_truncate", [[1.5, 1, 0.8], [1.5, 1.5, 0]]),  # 0.5 raised to 0.8, 2 lowered to 1.5
+        ("token_mask", [[0, 1, 0], [0, 0, 0]]),  # 0.5 < 0.8 and 2 > 1.5 dropped
+        ("sequence_truncate", [[1, 1, 1], [1.5, 1.5, 0]]),  # products 1 and 4
+    ],
+)
+def test_importance_weight_lower_bound(mode, expected):
+    w, _ = importance_weights(PROX, BEHAV, IS_MASK, mode, clip_max=1.5, clip_min=0.8)
+    assert torch.allclose(w, torch.tensor(expected, dtype=w.dtype), atol=1e-6), w
 
-    _, m = importance_weights(PROX, BEHAV, IS_MASK, "token_truncate", cap=1.5)
-    # token ratios over the 5 tokens in the mask: 2, 1, 0.5, 2, 2
-    assert m["is_weight/mean"].item() == pytest.approx(7.5 / 5)
+
+def test_sequence_weight_is_the_product_of_token_ratios_not_their_geometric_mean():
+    # Row 1: token ratios 2 and 2 in the mask, 3 in the masked slot. The product 4 is truncated
+    # to 3, where a geometric mean (2) would pass. With bound 5 the mask mode keeps 4: a
+    # geometric mean would give 2, and a product over the masked slot too (12) would be dropped.
+    w, _ = importance_weights(PROX, BEHAV, IS_MASK, "sequence_truncate", clip_max=3.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 1, 1], [3, 3, 0]]), atol=1e-6), w
+    w, _ = importance_weights(PROX, BEHAV, IS_MASK, "sequence_mask", clip_max=5.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 1, 1], [4, 4, 0]]), atol=1e-6), w  # masked slot (x3) left out
+
+
+def test_importance_weight_metrics_report_the_weights_applied():
+    _, m = importance_weights(PROX, BEHAV, IS_MASK, "token_truncate", clip_max=1.5)
+    # token ratios over the 5 tokens in the mask: 2, 1, 0.5, 2, 2; applied after the cap: 1.5, 1, 0.5, 1.5, 1.5
+    assert m["is_weight/mean"].item() == pytest.approx(6.0 / 5)
     assert m["is_weight/min"].item() == pytest.approx(0.5)
-    assert m["is_weight/max"].item() == pytest.approx(2.0)
+    assert m["is_weight/max"].item() == pytest.approx(1.5)
     assert m["is_weight/frac_capped"].item() == pytest.approx(3 / 5)
+    # the raw ratio, in log space: ln 2 three times, 0, -ln 2
+    ln2 = math.log(2)
+    assert m["is_log_ratio/mean"].item() == pytest.approx(2 * ln2 / 5, rel=1e-6)
+    assert m["is_log_ratio/max"].item() == pytest.approx(ln2, rel=1e-6)
+    assert m["is_log_ratio/min"].item() == pytest.approx(-ln2, rel=1e-6)
     # k3 of KL(behaviour || proximal): r - 1 - ln r; r=2: 1 - ln 2, r=1: 0, r=0.5: ln 2 - 0.5
     k2, k05 = 1 - math.log(2), math.log(2) - 0.5
     assert m["kl_behav_proximal"].item() == pytest.approx((3 * k2 + k05) / 5, rel=1e-5)
@@ -206,3 +230,52 @@ def test_importance_weights_scale_only_the_policy_term():
     plain, _ = policy_loss(logprobs, torch.zeros(2, 3), ADV, MASK, loss_type="bnpo", norm=norm)
     halved, _ = policy_loss(logprobs, torch.zeros(2, 3), ADV, MASK, loss_type="bnpo", norm=norm, is_weights=torch.full((2, 3), 0.5))
     assert halved.item() == pytest.approx(plain.item() / 2)
+
+
+def test_importance_weights_scale_the_policy_term_but_not_the_kl_term():
+    # With weights 0.5 and beta 0.1: loss = 0.5 * (policy term) + 0.1 * (kl term), the KL unweighted.
+    ref = torch.log(torch.tensor([[2.0, 1.0, 0.25], [1.1, 1.4, 9.0]]))
+    norm, kw = Normalisation(4), dict(loss_type="bnpo", beta=0.1, ref_logprobs=ref)
+    plain, m = policy_loss(RATIOS.log(), torch.zeros(2, 3), ADV, MASK, norm=norm, **kw)
+    halved, _ = policy_loss(RATIOS.log(), torch.zeros(2, 3), ADV, MASK, norm=norm, is_weights=torch.full((2, 3), 0.5), **kw)
+    kl_term = 0.1 * m["kl"].item()  # bnpo: the KL term is 0.1 * token mean of k3
+    assert halved.item() == pytest.approx(0.5 * (plain.item() - kl_term) + kl_term, rel=1e-6)
+
+
+def test_sequence_level_ratio_leaves_masked_tokens_out():
+    # The masked slot of row 1 now has log ratio ln 5: summed without the mask, row 1's mean
+    # log ratio would be (ln 1.1 + ln 0.7 + ln 5) / 2 and its ratio 1.96, not 0.8775.
+    old = torch.zeros(2, 3)
+    old[1, 2] = -math.log(5.0)
+    loss, _, _ = _loss("grpo", importance_sampling_level="sequence")
+    masked_old, _ = policy_loss(RATIOS.log(), old, ADV, MASK, loss_type="grpo", norm=Normalisation(4), importance_sampling_level="sequence")
+    assert masked_old.item() == pytest.approx(loss.item(), rel=1e-6)
+    assert masked_old.item() == pytest.approx((-(0.75 ** (1 / 3)) + 2 * 0.77**0.5) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])
+def test_sequence_weights_that_overflow_float32_stay_finite(mode):
+    # 2000 tokens that drifted 0.05 each: sum of log ratios 100, exp(100) overflows float32.
+    T = 2000
+    prox = torch.full((2, T), -1.0)
+    behav = torch.cat([torch.full((1, T), -1.05), torch.full((1, T), -1.0)])  # row 0 drifted, row 1 on-policy
+    mask = torch.ones(2, T)
+    w, m = importance_weights(prox, behav, mask, mode, clip_max=3.0)
+    row0 = 0.0 if mode == "sequence_mask" else 3.0  # dropped whole, or truncated to the cap
+    assert torch.equal(w[0], torch.full((T,), row0)) and torch.allclose(w[1], torch.ones(T))
+    assert all(torch.isfinite(v) for v in m.values()), m
+    assert m["is_log_ratio/max"].item() == pytest.approx(100.0, rel=1e-4)
+    # and through the loss: finite, with a finite gradient
+    logprobs = prox.clone().requires_grad_(True)
+    loss, _ = policy_loss(logprobs, prox, torch.tensor([1.0, -1.0]), mask, loss_type="dapo",
+                          norm=Normalisation(T, step_tokens=2.0 * T), is_weights=w)  # fmt: skip
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+
+def test_dapo_step_without_loss_tokens_has_loss_zero():
+    # every completion truncated and masked: no token in the step, the loss is 0 (not 0/0)
+    logprobs = RATIOS.log().clone().requires_grad_(True)
+    loss, _ = policy_loss(logprobs, torch.zeros(2, 3), ADV, torch.zeros(2, 3), loss_type="dapo", norm=Normalisation(4, step_tokens=0.0))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logprobs.grad, torch.zeros(2, 3))

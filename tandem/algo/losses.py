@@ -65,9 +65,9 @@ def _dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -
 
 @register_loss("dapo")
 def _dapo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
-    if norm.step_tokens <= 0:
-        raise ValueError("loss_type 'dapo' needs step_tokens > 0 (completion tokens in the optimizer step)")
-    return (per_token * mask).sum() * norm.world_size / norm.step_tokens
+    # A step with no loss tokens (every completion truncated and masked) has loss 0, not 0/0;
+    # TRL clamps the count to at least 1 the same way.
+    return (per_token * mask).sum() * norm.world_size / max(norm.step_tokens, 1.0)
 
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")

@@ -7,6 +7,7 @@ Names and meanings follow TRL's GRPOConfig wherever the concept exists there.
 import argparse
 import dataclasses
 import difflib
+import logging
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,10 @@ from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRE
 from tandem.data import PROMPT_TRUNCATION
 from tandem.rollout.types import SamplingParams
 
+log = logging.getLogger("tandem")
+
 ROLLOUT_MODES = ("colocate", "server")
+NONFINITE_POLICIES = ("skip", "error")
 WEIGHT_TRANSPORTS = ("auto", "http", "shm")
 
 
@@ -50,8 +54,9 @@ class TrainConfig:
     rollout_api_key: str | None = opt(None, "Key the servers were started with (--api-key); sent as a Bearer token.", "generation")
     async_generate: bool = opt(False, "Generate the next rounds in the background while training on the current one (server mode).", "generation")
     max_staleness: int = opt(1, "With async_generate: round r may be generated with any policy version >= r - max_staleness (0 is synchronous).", "generation")
-    off_policy_correction: str = opt("token_truncate", "Importance weight proximal/behaviour on each token's loss: none, token_truncate, token_mask, sequence_truncate, sequence_mask (TRL's vllm_importance_sampling_mode).", "generation")
-    importance_sampling_cap: float = opt(2.0, "Cap of the importance weight: truncate modes clip to it, mask modes drop what exceeds it (TRL's vllm_importance_sampling_cap).", "generation")
+    off_policy_correction: str = opt("sequence_mask", "Importance weight proximal/behaviour on each token's loss, applied whenever a rollout server generates (its numerics differ from the trainer's, and async rollouts lag): none, token_truncate, token_mask, sequence_truncate, sequence_mask (TRL's vllm_importance_sampling_mode; colocated runs need none).", "generation")
+    importance_sampling_cap: float = opt(3.0, "Upper bound of the importance weight: truncate modes clip to it, mask modes drop what exceeds it (TRL's vllm_importance_sampling_clip_max).", "generation")
+    importance_sampling_clip_min: float | None = opt(None, "Lower bound of the importance weight, in (0, 1]: truncate modes raise weights to it, mask modes drop what falls below it; none for no lower bound (TRL's vllm_importance_sampling_clip_min).", "generation")
     verify_weight_sync: bool = opt(False, "After each push, compare the servers' weight fingerprints with the trainer's and stop on a mismatch (hashes every weight: slow for big models).", "generation")
     weight_transport: str = opt("auto", "How weights reach the servers: 'shm' (shared memory, same host), 'http' (safetensors over HTTP), 'auto' (shm when the server is on this host).", "generation")
     num_generations: int = opt(8, "Completions per prompt (G); advantages are relative within these groups.", "generation")
@@ -79,6 +84,7 @@ class TrainConfig:
     adam_beta1: float = opt(0.9, "AdamW beta1.", "batch and schedule")
     adam_beta2: float = opt(0.999, "AdamW beta2.", "batch and schedule")
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", "batch and schedule")
+    on_nonfinite: str = opt("skip", "A step whose loss or gradient norm is NaN or inf never updates the weights: 'skip' drops it and counts it in the metric skipped_steps; 'error' stops the run naming the step.", "batch and schedule")
     bf16: bool = opt(False, "Train in bf16 mixed precision (through accelerate).", "batch and schedule")
     ddp_timeout: float = opt(1800.0, "Seconds any collective between training processes may wait before the run fails.", "batch and schedule")
 
@@ -119,6 +125,10 @@ class TrainConfig:
         """Completions one process generates per round."""
         return self.per_device_train_batch_size * self.steps_per_generation
 
+    def steps_per_round(self) -> int:
+        """Optimizer steps trained on one generation round."""
+        return self.num_iterations * self.steps_per_generation // self.gradient_accumulation_steps
+
     def validate(self) -> None:
         """Every check that needs no model: run before anything loads."""
 
@@ -136,6 +146,12 @@ class TrainConfig:
         need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         need(self.off_policy_correction in OFF_POLICY_CORRECTIONS, "off_policy_correction", f"must be one of {OFF_POLICY_CORRECTIONS}")
         need(self.importance_sampling_cap >= 1, "importance_sampling_cap", "must be >= 1 (a weight of 1 means on-policy)")
+        need(
+            self.importance_sampling_clip_min is None or 0 < self.importance_sampling_clip_min <= 1,
+            "importance_sampling_clip_min",
+            "must be in (0, 1] (a weight of 1 means on-policy), or none for no lower bound",
+        )
+        need(self.on_nonfinite in NONFINITE_POLICIES, "on_nonfinite", f"must be one of {NONFINITE_POLICIES}")
         need(self.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
         need(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport", f"must be one of {WEIGHT_TRANSPORTS}")
         need(self.num_generations >= 2, "num_generations", "must be >= 2: advantages compare completions within a group")
@@ -179,6 +195,13 @@ class TrainConfig:
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or none")
         need(self.num_completions_to_log >= 0, "num_completions_to_log", "must be >= 0")
+        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+            # As TRL warns: a token-sum reduction weights each sequence by its length (GSPO, arXiv:2507.18071, eq. 5).
+            log.warning(
+                "importance_sampling_level 'sequence' with loss_type %r sums per-token terms, so each sequence "
+                "weighs as much as its length: that is not GSPO's per-sequence objective; use loss_type grpo for it",
+                self.loss_type,
+            )
         try:
             self.sampling_params().validate()
         except ValueError as exc:
@@ -197,6 +220,33 @@ class ConfigError(ValueError):
 
 def _fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+# TRL's GRPOConfig (1.16) names of the off-policy options, accepted beside tandem's own.
+TRL_ALIASES = {
+    "vllm_importance_sampling_mode": "off_policy_correction",
+    "vllm_importance_sampling_clip_max": "importance_sampling_cap",
+    "vllm_importance_sampling_cap": "importance_sampling_cap",  # deprecated in TRL for clip_max
+    "vllm_importance_sampling_clip_min": "importance_sampling_clip_min",
+}
+CORRECTION_SWITCH = "vllm_importance_sampling_correction"  # TRL's on/off switch: false is off_policy_correction none
+
+
+def _resolve_aliases(values: dict, where: str) -> dict:
+    """Options given under TRL's names, renamed to tandem's; a field named twice is an error."""
+    out: dict = {}
+    given_as: dict[str, str] = {}
+    for key, value in values.items():
+        name = TRL_ALIASES.get(key, key)
+        if key == CORRECTION_SWITCH:
+            on = value if isinstance(value, bool) else _parse_scalar(bool, str(value), key, False)
+            if on:
+                continue  # correction on is the default; the mode comes from off_policy_correction
+            name, value = "off_policy_correction", "none"
+        if name in out:
+            raise ConfigError(f"{name} is given twice {where}, as {given_as[name]!r} and as {key!r}; keep one")
+        out[name], given_as[name] = value, key
+    return out
 
 
 def _base_type(tp):
@@ -257,13 +307,17 @@ def load_yaml(path: str | Path) -> dict:
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option: value")
-    known = _fields()
+    known = [*_fields(), *TRL_ALIASES, CORRECTION_SWITCH]
     for key in data:
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else "; see `tandem train --help` for the options"
-            raise ConfigError(f"unknown key {key!r} in {path}{hint}")
-    return {k: _check_yaml_value(k, v) for k, v in data.items()}
+            raise ConfigError(f"unknown key {key!r} in {path}{suggestion(key, known)}")
+    return {k: _check_yaml_value(k, v) for k, v in _resolve_aliases(data, f"in {path}").items()}
+
+
+def suggestion(name: str, known: list[str]) -> str:
+    """'; did you mean X?' for the closest known option, else where to find the options."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"; did you mean {close[0]!r}?" if close else "; see `tandem train --help` for the options"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -284,16 +338,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help=f"{f.metadata['help']} (default: {default})",
         )
+    trl = parser.add_argument_group("TRL's names, accepted as well")
+    for alias, name in TRL_ALIASES.items():
+        trl.add_argument(f"--{alias}", metavar="VALUE", default=argparse.SUPPRESS, help=f"same as --{name}")
+    trl.add_argument(f"--{CORRECTION_SWITCH}", metavar="true|false", default=argparse.SUPPRESS, help="false is --off_policy_correction none")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the YAML file, then the command line; validated."""
     values = load_yaml(args.config) if getattr(args, "config", None) else {}
+    given = {k: v for k, v in vars(args).items() if k in _fields() or k in TRL_ALIASES or k == CORRECTION_SWITCH}
+    given = _resolve_aliases(given, "on the command line")
     for name, f in _fields().items():
-        if name not in vars(args):
+        if name not in given:
             continue
         kind, is_list, optional = _base_type(f.type)
-        raw = vars(args)[name]
+        raw = given[name]
         if is_list:
             if optional and len(raw) == 1 and raw[0].lower() in ("none", "null"):
                 values[name] = None

@@ -123,6 +123,7 @@ class Trainer:
         self.model, self.optimizer = self.accelerator.prepare(PrefixSharingLM(model), optimizer)
         self.global_step = state["global_step"] if state else 0
         self.version = state["policy_version"] if state else 0  # rounds trained = the policy version of our weights
+        self.skipped_steps = state.get("skipped_steps", 0) if state else 0  # steps not taken for a NaN or inf
         if state:
             self.optimizer.load_state_dict(torch.load(self.resume_dir / "optimizer.pt", weights_only=True))
             self.scheduler.load_state_dict(torch.load(self.resume_dir / "scheduler.pt", weights_only=True))
@@ -140,7 +141,8 @@ class Trainer:
         args = (self.table, self.sampler, self.engine, self.tokenizer, self.reward_fns, config.sampling_params(), G, config.seed)
         if config.async_generate:
             round_timeout = config.rollout_server_timeout + config.rollout_request_timeout + 60
-            self.producer = AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=round_timeout)
+            last_round = math.ceil(config.max_steps / config.steps_per_round()) - 1
+            self.producer = AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=round_timeout, last_round=last_round)
         else:
             self.producer = SyncProducer(*args)
         ready = []
@@ -242,12 +244,16 @@ class Trainer:
         """One round: generate, advantage, update (one or more optimizer steps), sync, log."""
         cfg = self.config
         G, GA = cfg.num_generations, cfg.gradient_accumulation_steps
-        steps_per_round = cfg.num_iterations * cfg.steps_per_generation // GA
+        steps_per_round = cfg.steps_per_round()
         # The proximal policy is the weights at the round's start. With one optimizer step per round
         # those are the weights of every forward in the round, so its log-probs are the current
         # ones, detached; only when the policy moves within the round are they recomputed first.
         need_proximal = steps_per_round > 1
-        off_policy = cfg.async_generate and cfg.max_staleness > 0  # rollouts may come from older weights
+        # Behaviour log-probs from a rollout server come from other numerics than this forward
+        # (another process, dtype or kernel) and, in async mode, from older weights: correct for
+        # both, as TRL corrects vLLM's even when generation is synchronous. A colocated engine
+        # samples from the trainer's own forward, so its rollouts are on-policy.
+        off_policy = cfg.rollout_mode == "server"
         round_start = time.perf_counter()
 
         # --- generate (and score) ---
@@ -271,7 +277,7 @@ class Trainer:
         old_logps = _pad_rows(self._logprobs_no_grad(self.model, rollouts), C) if need_proximal else None  # (N_rank, C)
         ref_logps = _pad_rows(self._logprobs_no_grad(self.ref_model, rollouts), C) if self.ref_model is not None else None
         behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C) if off_policy else None  # (N_rank, C)
-        staleness = self._staleness(rollouts) if off_policy else {}
+        staleness = self._staleness(rollouts) if cfg.async_generate else {}
 
         # --- update ---
         orders = [self._order(n_local, rnd.index, it) for it in range(cfg.num_iterations)]  # micro-batch order per pass
@@ -282,7 +288,7 @@ class Trainer:
             for opt_step in range(cfg.steps_per_generation // GA):
                 t_train = time.perf_counter()
                 stats: dict[str, list] = {}
-                loss_sum = 0.0
+                loss_sum = torch.zeros(())
                 for m in range(GA):
                     lo = (opt_step * GA + m) * micro_size
                     idx = order[lo : lo + micro_size]
@@ -296,7 +302,7 @@ class Trainer:
                     loss_sum += loss
                     for k, v in mstats.items():
                         stats.setdefault(k, []).append(v)
-                grad_norm = self._optimizer_step()
+                grad_norm = self._optimizer_step(loss_sum)
                 self.global_step += 1
                 first = it == 0 and opt_step == 0
                 final = (it == cfg.num_iterations - 1 and opt_step == cfg.steps_per_generation // GA - 1) or self.global_step >= cfg.max_steps
@@ -323,6 +329,7 @@ class Trainer:
                     "policy_version": self.version,
                     "loss": loss_sum,
                     "grad_norm": grad_norm,
+                    "skipped_steps": self.skipped_steps,
                     "learning_rate": self.scheduler.get_last_lr()[0],
                     **{k: _combine(k, torch.stack(v)) for k, v in stats.items()},
                 }
@@ -360,8 +367,9 @@ class Trainer:
         is_weights, is_metrics = None, {}
         if behav_logps is not None:
             is_weights, is_metrics = importance_weights(
-                old, rows(behav_logps), mb.completion_mask, cfg.off_policy_correction, cfg.importance_sampling_cap
-            )
+                old, rows(behav_logps), mb.completion_mask, cfg.off_policy_correction,
+                clip_max=cfg.importance_sampling_cap, clip_min=cfg.importance_sampling_clip_min,
+            )  # fmt: skip
         loss, metrics = policy_loss(
             logps,
             old,
@@ -383,11 +391,28 @@ class Trainer:
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
         return loss.detach(), metrics
 
-    def _optimizer_step(self) -> torch.Tensor:
-        grad_norm = torch.tensor(float("nan"))
-        if self.config.max_grad_norm > 0:
-            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        self.optimizer.step()
+    def _optimizer_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """Clip and step. A step whose loss or gradient norm is NaN or inf on any rank never
+        updates the weights: it is skipped (counted in skipped_steps) or raised, per on_nonfinite.
+        The scheduler moves on either way, so the learning rate stays a function of the step."""
+        cfg = self.config
+        if cfg.max_grad_norm > 0:
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        bad = (~torch.isfinite(loss.float()) | ~torch.isfinite(grad_norm.float())).float()
+        if self.world > 1:  # the losses differ between ranks: decide together, or one rank would step alone
+            bad = self.accelerator.reduce(bad.to(self.accelerator.device), reduction="sum").cpu()
+        if bad.item() > 0:
+            if cfg.on_nonfinite == "error":
+                raise NonFiniteStepError(
+                    f"step {self.global_step + 1}: loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} on this "
+                    "process, not finite on at least one process; the weights were not updated. Check the reward "
+                    "scale and learning_rate, or set on_nonfinite: skip to skip such steps"
+                )
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -416,12 +441,16 @@ class Trainer:
 
     @torch.no_grad()
     def _logprobs_no_grad(self, model, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        """Log-probs without gradient (proximal or reference policy), under the training forward's
+        autocast: the reference model is not prepared by accelerate, and a reference in fp32
+        against a bf16 policy would make KL(current || ref) non-zero at step 0."""
         out = []
         size = self.config.per_device_train_batch_size
         for lo in range(0, len(rollouts), size):
             chunk = rollouts[lo : lo + size]
             mb = collate(chunk, self.tokenizer.pad_token_id, self.accelerator.device, False)
-            logps, _ = completion_logprobs(model, mb, self.config.temperature)  # (n, C)
+            with self.accelerator.autocast():
+                logps, _ = completion_logprobs(model, mb, self.config.temperature)  # (n, C)
             out += [logps[i, : len(r.completion_ids)].cpu() for i, r in enumerate(chunk)]
         return out
 
@@ -542,6 +571,7 @@ class Trainer:
             (tmp / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
             state = {
                 "global_step": step,
+                "skipped_steps": self.skipped_steps,
                 "policy_version": self.version,
                 "round": self.producer.round_index,  # the next round to train
                 "rounds_ahead": keep,
@@ -565,6 +595,10 @@ class Trainer:
                 w.close()
         if ok:
             self.accelerator.end_training()
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step's loss or gradient norm was NaN or inf and on_nonfinite is 'error'."""
 
 
 def _truncate_log(path: Path, step: int) -> None:

@@ -191,9 +191,13 @@ class AsyncProducer(SyncProducer):
     round's future and raised in the trainer's thread by next_round, with its cause.
     """
 
-    def __init__(self, *args, round_timeout: float, **kwargs):
+    def __init__(self, *args, round_timeout: float, last_round: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.round_timeout = round_timeout
+        # No round past the run's last is generated: it would be thrown away, and a thread still
+        # in a request at exit meets the interpreter's shutdown (see close).
+        self.last_round = last_round
+        self.join_timeout = 10.0  # seconds close() waits for a thread that is still in a request
         self._cv = threading.Condition()
         self._live_version = 0
         self._futures: dict[int, Future] = {}
@@ -223,7 +227,7 @@ class AsyncProducer(SyncProducer):
 
     def _run(self) -> None:
         r = self._first_to_generate
-        while True:
+        while r <= self.last_round:
             with self._cv:
                 self._cv.wait_for(lambda: self._live_version >= r - self.max_staleness or self._stopped)
                 if self._stopped:
@@ -258,17 +262,22 @@ class AsyncProducer(SyncProducer):
             self._cv.notify_all()
 
     def wait_generated(self, r: int) -> None:
-        if r < self.round_index:
-            return  # already handed to the trainer
+        if r < self.round_index or r > self.last_round:
+            return  # already handed to the trainer, or never to be generated
         future = self._future(r)
         if not wait([future], timeout=self.round_timeout).done:
             raise TimeoutError(f"waited {self.round_timeout:.0f}s for round {r} to be generated before the next weight push")
         future.result()  # raises the round's failure, if any
 
     def close(self) -> None:
+        """Stop the thread and wait for it. A thread still running when the interpreter shuts
+        down is killed wherever it is; inside a torch call that aborts the process
+        ("terminate called without an active exception") after a run that succeeded. At the end
+        of a run the thread is idle (it stops at last_round), so the join returns at once. After
+        a failure it may be in a request, which ends by its own HTTP timeout; the wait is
+        bounded and the thread is a daemon, so a stuck request cannot keep the process alive."""
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
-        # A request in flight ends by its own HTTP timeouts; the thread is a daemon, so a stuck
-        # one cannot keep the process alive.
-        self._thread.join(timeout=1.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.join_timeout)
