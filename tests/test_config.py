@@ -67,9 +67,38 @@ def test_bad_config_fails_through_the_cli_before_the_model_loads(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_unknown_command_line_option_fails():
-    proc = run_cli(*BASE, "--learning_rte", "1e-5")
-    assert proc.returncode == 2 and "learning_rte" in proc.stderr
+def test_unknown_command_line_option_fails_with_a_suggestion():
+    proc = run_cli(*BASE, "--learning_rte", "1e-5", "--numgenerations", "4")
+    assert proc.returncode == 2
+    assert "unknown option --learning_rte; did you mean --learning_rate?" in proc.stderr
+    assert "unknown option --numgenerations; did you mean --num_generations?" in proc.stderr
+
+
+def test_trl_names_of_the_off_policy_options_are_accepted(tmp_path):
+    cfg = _config("--vllm_importance_sampling_mode", "token_truncate", "--vllm_importance_sampling_clip_max", "2.5",
+                  "--vllm_importance_sampling_clip_min", "0.5")  # fmt: skip
+    assert (cfg.off_policy_correction, cfg.importance_sampling_cap, cfg.importance_sampling_clip_min) == ("token_truncate", 2.5, 0.5)
+    assert _config("--vllm_importance_sampling_correction", "false").off_policy_correction == "none"
+    assert _config("--vllm_importance_sampling_cap", "4").importance_sampling_cap == 4.0  # TRL's deprecated name
+    f = tmp_path / "trl.yaml"
+    f.write_text("vllm_importance_sampling_mode: token_mask\nvllm_importance_sampling_clip_max: 2\n")
+    cfg = _config(config_file=f)
+    assert (cfg.off_policy_correction, cfg.importance_sampling_cap) == ("token_mask", 2.0)
+    # TRL 1.16's defaults: correction on, sequence_mask, upper bound 3, no lower bound
+    default = _config()
+    assert (default.off_policy_correction, default.importance_sampling_cap, default.importance_sampling_clip_min) == ("sequence_mask", 3.0, None)
+    with pytest.raises(ConfigError, match="off_policy_correction is given twice"):
+        _config("--vllm_importance_sampling_mode", "token_mask", "--off_policy_correction", "none")
+    with pytest.raises(ConfigError, match="importance_sampling_clip_min"):
+        _config("--importance_sampling_clip_min", "1.5")
+
+
+def test_gspo_with_a_token_sum_loss_warns_and_names_the_loss_type_to_use(tmp_path):
+    proc = run_cli(*BASE, "--importance_sampling_level", "sequence", "--loss_type", "dapo", "--output_dir", tmp_path / "run")
+    assert "importance_sampling_level 'sequence' with loss_type 'dapo'" in proc.stderr
+    assert "use loss_type grpo" in proc.stderr
+    proc = run_cli(*BASE, "--importance_sampling_level", "sequence", "--loss_type", "grpo", "--output_dir", tmp_path / "run2")
+    assert "importance_sampling_level" not in proc.stderr
 
 
 def test_help_explains_every_option():

@@ -52,8 +52,10 @@ def test_raising_or_miscounting_functions_fail_naming_the_function(tmp_path):
         "def boom(prompts, completions, **kw):\n    raise KeyError('answer')\n"
         "def short(prompts, completions, **kw):\n    return [1.0]\n"
         "def words(prompts, completions, **kw):\n    return ['good'] * len(completions)\n"
+        "def infinite(prompts, completions, **kw):\n    return [1.0, float('-inf')]\n"
     )
-    for name, message in [("boom", "raised KeyError"), ("short", "list of 2 floats"), ("words", "returned 'good'")]:
+    cases = [("boom", "raised KeyError"), ("short", "list of 2 floats"), ("words", "returned 'good'"), ("infinite", "returned -inf for completion 1; rewards must be finite")]
+    for name, message in cases:
         rewards = load_rewards([f"{f}:{name}"], None)
         with pytest.raises((RuntimeError, ValueError), match=f"{name}'.*{message}"):
             score(rewards, prompts=["p", "p"], completions=["a", "b"])

@@ -96,3 +96,46 @@ def test_the_demo_task_reward_improves(tmp_path):
     rewards = [json.loads(line)["reward"] for line in (tmp_path / "demo" / "run" / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last - first >= 0.12, (first, last)
+
+
+def test_dapo_step_whose_completions_are_all_truncated_and_masked_has_loss_zero(tiny_model, data, tmp_path):
+    # Two tokens: the random model almost never stops that soon, so every completion of a step
+    # is truncated and, masked, leaves the step without a loss token (once a crash).
+    metrics = _train(tiny_model, data, tmp_path / "run", "--max_steps", "2", "--save_steps", "0",
+                     "--max_completion_length", "2", "--mask_truncated_completions", "true", "--loss_type", "dapo")  # fmt: skip
+    empty = [m for m in metrics if m["completions/truncated_ratio"] == 1.0]
+    assert empty, "expected a step whose every completion was truncated"
+    assert all(m["loss"] == 0.0 and m["skipped_steps"] == 0 for m in empty)
+
+
+# Rewards of +-1e38 with scale_rewards none: advantages of 1e38, a loss and gradients past float32.
+HUGE_REWARD = "def huge(prompts, completions, **kw):\n    return [1e38 if i % 2 else -1e38 for i in range(len(completions))]\n"
+
+
+@pytest.mark.parametrize("policy", ["skip", "error"])
+def test_a_non_finite_step_never_updates_the_weights(tiny_model, data, tmp_path, policy):
+    (tmp_path / "huge.py").write_text(HUGE_REWARD)
+    args = ["train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", tmp_path / "run",
+            "--reward_funcs", f"{tmp_path / 'huge.py'}:huge", "--scale_rewards", "none", "--num_generations", "4",
+            "--per_device_train_batch_size", "16", "--max_completion_length", "6", "--learning_rate", "1e-2",
+            "--max_steps", "2", "--disable_tqdm", "true", "--on_nonfinite", policy]  # fmt: skip
+    proc = run_cli(*args)
+    if policy == "error":
+        assert proc.returncode == 1
+        assert "tandem: step 1: loss" in proc.stderr and "the weights were not updated" in proc.stderr, proc.stderr[-2000:]
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped_steps"] for m in metrics] == [1, 2]
+    before = load_file(tiny_model / "model.safetensors")
+    after = load_file(tmp_path / "run" / "checkpoint-2" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bf16_reference_model_runs_under_the_policys_numerics(tiny_model, data, tmp_path):
+    # The policy and the reference hold the same weights before the first step: under the same
+    # bf16 autocast their log-probs are the same bits, so KL is exactly 0 (it was ~2e-7 when the
+    # reference ran in fp32). After a step at lr 1e-2 it is not.
+    metrics = _train(tiny_model, data, tmp_path / "run", "--max_steps", "2", "--save_steps", "0", "--bf16", "true", "--beta", "0.1")
+    assert metrics[0]["kl"] == 0.0
+    assert metrics[1]["kl"] > 0

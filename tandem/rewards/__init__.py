@@ -66,8 +66,8 @@ def score(rewards: list[NamedReward], prompts: list, completions: list, **kwargs
     its name; None and NaN mean "no opinion" and are left out of the statistics.
     """
     n = len(completions)
-    table = torch.full((n, len(rewards)), float("nan"))  # (N, F)
-    for j, reward in enumerate(rewards):
+    columns = []
+    for reward in rewards:
         try:
             values = reward.fn(prompts=prompts, completions=completions, **kwargs)
         except Exception as exc:
@@ -75,16 +75,21 @@ def score(rewards: list[NamedReward], prompts: list, completions: list, **kwargs
         if not isinstance(values, (list, tuple)) or len(values) != n:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
             raise ValueError(f"reward function {reward.name!r} must return a list of {n} floats (one per completion), got {got}")
+        column = []
         for i, v in enumerate(values):
             if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                v = math.nan
+            elif isinstance(v, bool) or not isinstance(v, (int, float)):
                 try:
                     v = float(v)
                 except (TypeError, ValueError):
                     raise ValueError(f"reward function {reward.name!r} returned {v!r} for completion {i}; expected a float or None") from None
-            table[i, j] = float(v)
-    return table
+            if math.isinf(v):
+                raise ValueError(f"reward function {reward.name!r} returned {v} for completion {i}; rewards must be finite (None or NaN means no opinion)")
+            column.append(float(v))
+        columns.append(column)
+    # One tensor built at the end, not N*F indexed writes: cheaper, and this runs in the async producer's thread.
+    return torch.tensor(columns, dtype=torch.float32).T.reshape(n, len(rewards))  # (N, F)
 
 
 def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:

@@ -7,7 +7,6 @@ Names and meanings follow TRL's GRPOConfig wherever the concept exists there.
 import argparse
 import dataclasses
 import difflib
-import logging
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +16,6 @@ import yaml
 from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRECTIONS, SCALE_REWARDS
 from tandem.data import PROMPT_TRUNCATION
 from tandem.rollout.types import SamplingParams
-
-log = logging.getLogger("tandem")
 
 ROLLOUT_MODES = ("colocate", "server")
 NONFINITE_POLICIES = ("skip", "error")
@@ -195,17 +192,21 @@ class TrainConfig:
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or none")
         need(self.num_completions_to_log >= 0, "num_completions_to_log", "must be >= 0")
-        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
-            # As TRL warns: a token-sum reduction weights each sequence by its length (GSPO, arXiv:2507.18071, eq. 5).
-            log.warning(
-                "importance_sampling_level 'sequence' with loss_type %r sums per-token terms, so each sequence "
-                "weighs as much as its length: that is not GSPO's per-sequence objective; use loss_type grpo for it",
-                self.loss_type,
-            )
         try:
             self.sampling_params().validate()
         except ValueError as exc:
             raise ConfigError(str(exc).replace("max_tokens", "max_completion_length")) from None
+
+    def warnings(self) -> list[str]:
+        """Settings that work but are probably not what was meant."""
+        out = []
+        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+            # As TRL warns: a token-sum reduction weights each sequence by its length (GSPO, arXiv:2507.18071, eq. 5).
+            out.append(
+                f"importance_sampling_level 'sequence' with loss_type {self.loss_type!r} sums per-token terms, so each "
+                "sequence weighs as much as its length: that is not GSPO's per-sequence objective; use loss_type grpo for it"
+            )
+        return out
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

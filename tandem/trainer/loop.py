@@ -11,6 +11,7 @@
 import json
 import math
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -88,6 +89,8 @@ class Trainer:
             resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
             (self.out / "config.yaml").write_text(resolved)
             print(f"tandem: resolved config ({self.world} process(es))\n{resolved}", flush=True)
+            for warning in config.warnings():
+                print(f"tandem: warning: {warning}", file=sys.stderr, flush=True)
 
         # Cheap checks first: reward functions and the dataset fail before the model loads.
         self.reward_fns = rewards_lib.load_rewards(config.reward_funcs, config.reward_weights)
