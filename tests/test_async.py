@@ -96,6 +96,24 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
     assert worst < 1e-4, worst
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_two_processes_equal_one_with_accumulation_and_several_iterations(tiny_model, data, tmp_path, loss_type):
+    # Two micro-batches per optimizer step (gradient_accumulation_steps 2) and two passes over each
+    # round (num_iterations 2), so the second step of a round recomputes the proximal log-probs.
+    extra = ["--max_steps", "4", "--loss_type", loss_type, "--gradient_accumulation_steps", "2",
+             "--steps_per_generation", "2", "--num_iterations", "2", "--save_steps", "0"]  # fmt: skip
+    train(1, base_args(tiny_model, data, tmp_path / "one", 16, *extra))
+    train(2, base_args(tiny_model, data, tmp_path / "two", 8, *extra))
+    (one, _), (two, _) = read(tmp_path / "one"), read(tmp_path / "two")
+    assert [m["round"] for m in one] == [0, 0, 1, 1]
+    assert [m["reward"] for m in one] == [m["reward"] for m in two]
+    assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
+    a = load_file(tmp_path / "one" / "checkpoint-4" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "checkpoint-4" / "model.safetensors")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-4, worst
+
+
 def test_max_staleness_one_uses_version_r_minus_1_or_r(tiny_model, data, server, tmp_path):
     args = base_args(tiny_model, data, tmp_path / "run", 16, "--max_steps", "6", "--rollout_mode", "server",
                      "--rollout_server_urls", server.url, "--async_generate", "true", "--max_staleness", "1")  # fmt: skip
@@ -105,7 +123,22 @@ def test_max_staleness_one_uses_version_r_minus_1_or_r(tiny_model, data, server,
     assert all(r - 1 <= v <= r for r, v in pairs), sorted(pairs)
     assert any(v == r - 1 for r, v in pairs), "with max_staleness 1 the next round overlaps the current one"
     assert all(m["staleness/max"] <= 1 for m in metrics)
-    assert all(m["is_weight/mean"] > 0 and m["kl_behav_proximal"] >= 0 for m in metrics)
+
+
+def test_importance_weights_reach_the_loss_of_a_real_run(tiny_model, data, server, tmp_path):
+    # Round 1 is generated with version 0 and trained at version 1. With the correction off the
+    # weights are 1, as if the behaviour log-probs were the proximal ones: the loss must differ.
+    # Round 0 is on-policy in both runs (the server computes in fp32 like the trainer): same loss.
+    common = ["--max_steps", "2", "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true",
+              "--max_staleness", "1", "--save_steps", "0"]  # fmt: skip
+    train(1, base_args(tiny_model, data, tmp_path / "on", 16, *common, "--off_policy_correction", "token_truncate"))
+    train(1, base_args(tiny_model, data, tmp_path / "off", 16, *common, "--off_policy_correction", "none"))
+    (on, _), (off, _) = read(tmp_path / "on"), read(tmp_path / "off")
+    assert [m["reward"] for m in on] == [m["reward"] for m in off]  # the same completions
+    # Measured: step 1 losses 4e-9 and -7e-9; step 2 0.0096 (weights 0.56 to 1.59) against -6e-9.
+    assert on[0]["loss"] == pytest.approx(off[0]["loss"], abs=1e-6)
+    assert abs(on[1]["loss"] - off[1]["loss"]) > 1e-3
+    assert on[1]["kl_behav_proximal"] > 100 * on[0]["kl_behav_proximal"]
 
 
 def test_async_with_max_staleness_zero_equals_sync(tiny_model, data, server, tmp_path):
