@@ -23,11 +23,24 @@ CRASH = (
 )
 
 
+# Keeps torch busy for about two seconds per call, releasing the GIL in every op: a background
+# thread still scoring when the interpreter shuts down aborts the process.
+BUSY = (
+    "import torch\n"
+    "def busy(prompts, completions, **kw):\n"
+    "    x = torch.randn(256, 256)\n"
+    "    for _ in range(3000):\n"
+    "        x = torch.tanh(x @ x)\n"
+    "    return [float(len(c[-1]['content']) % 3) for c in completions]\n"
+)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("async")
     (folder / "digits.py").write_text(DIGITS)
     (folder / "crash.py").write_text(CRASH)
+    (folder / "busy.py").write_text(BUSY)
     return write_jsonl(addition_rows(0), folder / "data.jsonl")
 
 
@@ -148,6 +161,19 @@ def test_async_with_max_staleness_zero_equals_sync(tiny_model, data, server, tmp
     sync, async0 = read(tmp_path / "sync")[0], read(tmp_path / "async0")[0]
     assert [m["loss"] for m in sync] == [m["loss"] for m in async0]
     assert [m["reward"] for m in sync] == [m["reward"] for m in async0]
+
+
+def test_an_async_run_ends_with_its_background_thread_idle_and_exits_0(tiny_model, data, server, tmp_path):
+    # A 2-process async run used to abort after its last step now and then ("terminate called
+    # without an active exception", SIGABRT): the producer thread was still generating and
+    # scoring rounds past the last when the interpreter shut down. With a reward function that
+    # keeps torch busy, that happened on every run; now no round past the last is generated.
+    args = base_args(tiny_model, data, tmp_path / "run", 16, "--max_steps", "2", "--rollout_mode", "server",
+                     "--rollout_server_urls", server.url, "--async_generate", "true", "--max_staleness", "1",
+                     "--reward_funcs", f"{data.parent / 'busy.py'}:busy", "--save_steps", "0")  # fmt: skip
+    proc = subprocess.run(command(2, args), capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
 
 
 def test_a_reward_crash_in_the_background_reaches_the_trainer(tiny_model, data, server, tmp_path):
