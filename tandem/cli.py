@@ -5,7 +5,7 @@ import logging
 import sys
 from pathlib import Path
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "addition.yaml"
+DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"  # inside the package, so a wheel ships it
 
 
 def _train(args: argparse.Namespace) -> int:
