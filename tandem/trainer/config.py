@@ -311,14 +311,10 @@ def load_yaml(path: str | Path) -> dict:
     known = [*_fields(), *TRL_ALIASES, CORRECTION_SWITCH]
     for key in data:
         if key not in known:
-            raise ConfigError(f"unknown key {key!r} in {path}{suggestion(key, known)}")
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "; see `tandem train --help` for the options"
+            raise ConfigError(f"unknown key {key!r} in {path}{hint}")
     return {k: _check_yaml_value(k, v) for k, v in _resolve_aliases(data, f"in {path}").items()}
-
-
-def suggestion(name: str, known: list[str]) -> str:
-    """'; did you mean X?' for the closest known option, else where to find the options."""
-    close = difflib.get_close_matches(name, known, n=1)
-    return f"; did you mean {close[0]!r}?" if close else "; see `tandem train --help` for the options"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
