@@ -45,7 +45,8 @@ def test_health_info_and_openapi(server):
     assert health["status"] == "ready" and health["version"] == 0 and len(health["instance_id"]) == 32
     info = call(server, "GET", "/info").json()
     assert info["engine"] == "TransformersEngine" and info["vocab_size"] == 259
-    assert "/generate" in call(server, "GET", "/openapi.json", key=None).json()["paths"]
+    assert "/generate" in call(server, "GET", "/openapi.json").json()["paths"]
+    assert call(server, "GET", "/openapi.json", key=None).status_code == 401  # only /health answers without the key
 
 
 def test_generate_matches_a_local_engine_with_the_same_seeds(server, tiny_model):

@@ -4,18 +4,22 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.rollout.types import REPETITION_PENALTY_RANGE, TEMPERATURE_RANGE
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not a silent default
+    # A misspelt field is an error, not a silent default; and no coercion: a token id of true,
+    # "3" or 2.0 is a client bug to report, not to guess at. NaN and infinity are refused.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Sampling(_Strict):
     max_tokens: int = Field(256, ge=1, description="Most tokens generated per completion.")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=TEMPERATURE_RANGE[0], le=TEMPERATURE_RANGE[1], description="0.01 is near-greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     min_p: float = Field(0.0, ge=0, lt=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1], description="1.0 disables it.")
 
 
 class GenerateRequest(_Strict):
@@ -71,6 +75,10 @@ class WeightUpdateHandle(BaseModel):
 
 class WeightFile(_Strict):
     path: str = Field(..., description="A safetensors file in shared memory on the server's host.")
+
+
+class Staged(BaseModel):
+    staged: int  # tensors of the update staged so far
 
 
 class WeightCommitResult(BaseModel):

@@ -1,65 +1,103 @@
 """`tandem rollout`: the HTTP rollout server. Thin FastAPI routes over RolloutService."""
 
 import argparse
+import asyncio
 import hmac
 import ipaddress
 import json
-import mmap
+import logging
+import os
+import re
+import stat
 import sys
 import threading
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from tandem.rollout import protocol as P
-from tandem.rollout.serving import NotReady, RolloutService, UnknownUpdate, VersionConflict
+from tandem.rollout.serving import Busy, EngineFailure, NotReady, RolloutService, TooLarge, UnknownUpdate, VersionConflict
 from tandem.rollout.types import SamplingParams
 from tandem.rollout.weights import SHM_DIR, host_id, parse_safetensors
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 DEFAULT_MAX_CHUNK_BYTES = 2 * 2**30
+DEFAULT_BODY_TIMEOUT = 30.0
+log = logging.getLogger("tandem")
+
+# What each route may answer besides 200, for the OpenAPI schema: every error has an ErrorBody.
+_AUTH = {401: "missing or wrong API key", 413: "body over the size limit", 408: "body not received in time"}
+_BODY = {400: "a value the server cannot use", 422: "a malformed request"}
+_ENGINE = {503: "the model is still loading"}
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for a body over the limit, by Content-Length or as it streams in."""
+def _responses(*groups: dict[int, str]) -> dict:
+    return {code: {"model": P.ErrorBody, "description": text} for group in groups for code, text in group.items()}
 
-    def __init__(self, app, max_request_bytes: int, max_chunk_bytes: int):
-        self.app, self.max_request, self.max_chunk = app, max_request_bytes, max_chunk_bytes
+
+class Guard:
+    """ASGI middleware that runs before any body is read: the API key (401 on every route but
+    /health), the body size (413, by Content-Length or as it streams in) and the time between
+    body pieces (408, so a client that declares a body and stops sending cannot hold the
+    connection for ever)."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int, max_chunk_bytes: int, body_timeout: float):
+        self.app, self.api_key = app, api_key
+        self.max_request, self.max_chunk, self.body_timeout = max_request_bytes, max_chunk_bytes, body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.max_chunk if scope["path"].endswith("/chunk") else self.max_request
         headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                return await _error(send, 401, "missing or wrong 'Authorization: Bearer <api key>' header")
+        limit = self.max_chunk if scope["path"].endswith("/chunk") else self.max_request
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await _reject(send, limit)
-        seen = 0
+            return await _error(send, 413, f"request body larger than the limit of {limit} bytes")
+        seen, started, dropped = 0, False, False
 
-        async def limited_receive():
+        async def drop(status: int, message: str) -> dict:
+            """Answer here, then tell the app the client is gone: its own answer is discarded."""
+            nonlocal dropped
+            if not started:
+                await _error(send, status, message, close=True)
+            dropped = True
+            scope["tandem.dropped"] = message
+            return {"type": "http.disconnect"}
+
+        async def guarded_receive():
             nonlocal seen
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=self.body_timeout)
+            except TimeoutError:
+                return await drop(408, f"no body data for {self.body_timeout:g}s (--body-timeout); the request is dropped")
             seen += len(message.get("body", b""))
             if seen > limit:
-                raise _TooLarge()
+                return await drop(413, f"request body larger than the limit of {limit} bytes")
             return message
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await _reject(send, limit)
+        async def guarded_send(message):
+            nonlocal started
+            if dropped:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, guarded_receive, guarded_send)
 
 
-class _TooLarge(Exception):
-    pass
-
-
-async def _reject(send, limit: int):
-    body = json.dumps({"error": f"request body larger than the limit of {limit} bytes"}).encode()
-    await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]})
+async def _error(send, status: int, message: str, close: bool = False):
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json")] + ([(b"connection", b"close")] if close else [])
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -71,18 +109,12 @@ def build_app(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     dtype: str = "float32",
     device: str = "cpu",
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> FastAPI:
     app = FastAPI(title="tandem rollout server", version="1")
-    app.add_middleware(BodyLimit, max_request_bytes=max_request_bytes, max_chunk_bytes=max_chunk_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, max_chunk_bytes=max_chunk_bytes, body_timeout=body_timeout)
 
-    def authorised(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise HTTPException(401, "missing or wrong 'Authorization: Bearer <api key>' header")
-
-    errors = {NotReady: 503, VersionConflict: 409, UnknownUpdate: 404, ValueError: 400}
+    errors = {NotReady: 503, Busy: 503, VersionConflict: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400, EngineFailure: 500}
     for exc_type, status in errors.items():
         app.add_exception_handler(exc_type, lambda request, exc, status=status: JSONResponse({"error": str(exc).strip("'\"")}, status))
 
@@ -91,16 +123,24 @@ def build_app(
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'] if x != 'body')}: {e['msg']}" for e in exc.errors())
         return JSONResponse({"error": f"invalid request: {problems}"}, 422)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
+    @app.exception_handler(StarletteHTTPException)  # also FastAPI's own (a subclass), e.g. a body it could not read
+    async def http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse({"error": exc.detail}, exc.status_code)
 
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected(request: Request, exc: ClientDisconnect):
+        why = request.scope.get("tandem.dropped", "client disconnected")
+        log.warning("%s during %s %s; request dropped", why, request.method, request.url.path)
+        return JSONResponse({"error": why}, 400)  # nobody is left to read it
+
+    # Cheap routes are `async def`: they run on the event loop, never queued behind requests
+    # that hold worker threads.
     @app.get("/health", response_model=P.Health)
-    def health():
+    async def health():
         return P.Health(status="ready" if service.ready else "loading", version=service.version, instance_id=service.instance_id)
 
-    @app.get("/info", response_model=P.Info, dependencies=[Depends(authorised)])
-    def info():
+    @app.get("/info", response_model=P.Info, responses=_responses(_AUTH))
+    async def info():
         return P.Info(
             model=model_name,
             engine=type(service.engine).__name__ if service.ready else "loading",
@@ -116,42 +156,56 @@ def build_app(
             stats=dict(service.stats),
         )
 
-    @app.post("/generate", response_model=P.GenerateResponse, dependencies=[Depends(authorised)])
+    @app.post(
+        "/generate",
+        response_model=P.GenerateResponse,
+        responses=_responses(_AUTH, _BODY, _ENGINE, {409: "min_version not live within version_timeout", 500: "the engine failed",
+                                                    503: "still loading, or too many requests wait for a version"}),
+    )  # fmt: skip
     async def generate(req: P.GenerateRequest):
         params = SamplingParams(**req.sampling.model_dump())
-        results = await run_in_threadpool(service.generate, req.prompts, req.n, params, req.seeds, req.min_version, req.version_timeout)
+        results = await service.generate(req.prompts, req.n, params, req.seeds, req.min_version, req.version_timeout)
         return P.GenerateResponse(
             completions=[
                 P.CompletionOut(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason, version=c.version) for c in results
             ]
         )
 
-    @app.post("/weights/begin", response_model=P.WeightUpdateHandle, dependencies=[Depends(authorised)])
-    def begin(req: P.WeightUpdateBegin):
+    @app.post("/weights/begin", response_model=P.WeightUpdateHandle, responses=_responses(_AUTH, _BODY, _ENGINE, {409: "not the next version"}))
+    async def begin(req: P.WeightUpdateBegin):
         return P.WeightUpdateHandle(update_id=service.begin_update(req.version, req.force, req.num_tensors))
 
-    @app.put("/weights/{update_id}/chunk", dependencies=[Depends(authorised)])
+    @app.put(
+        "/weights/{update_id}/chunk",
+        response_model=P.Staged,
+        responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 411: "no Content-Length", 413: "more than the update can hold"}),
+        openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+    )  # fmt: skip
     async def chunk(update_id: str, request: Request):
-        tensors = parse_safetensors_or_400(await _read_body(request))
-        return {"staged": await run_in_threadpool(service.stage, update_id, tensors)}
+        # The update and its room are checked before a byte of the body is read or allocated.
+        declared = request.headers.get("content-length")
+        if declared is None:
+            raise HTTPException(411, "a weight chunk needs a Content-Length header")
+        nbytes = int(declared)  # Guard checked it is digits and within --max-weight-chunk-bytes
+        service.reserve(update_id, nbytes)
+        try:
+            body = await _read_body(request, nbytes)
+        except BaseException:
+            service.release(update_id, nbytes)
+            raise
+        return P.Staged(staged=await run_in_threadpool(service.stage, update_id, parse_safetensors_or_400(body)))
 
-    @app.post("/weights/{update_id}/file", dependencies=[Depends(authorised)])
-    def from_file(update_id: str, req: P.WeightFile):
-        path = Path(req.path)
-        if path.parent != SHM_DIR or not path.name.startswith("tandem-") or not path.is_file():
-            raise ValueError(f"path must be a tandem-*.safetensors file directly in {SHM_DIR} on the server's host")
-        with open(path, "rb") as fh:
-            # A private mapping: the staged tensors view the file's pages in place, and stay valid
-            # after the client deletes the file.
-            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        return {"staged": service.stage(update_id, parse_safetensors_or_400(mapped))}
+    @app.post("/weights/{update_id}/file", response_model=P.Staged, responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 413: "more than the update can hold"}))
+    async def from_file(update_id: str, req: P.WeightFile):
+        return P.Staged(staged=await run_in_threadpool(_stage_file, service, update_id, req.path))
 
-    @app.post("/weights/{update_id}/commit", response_model=P.WeightCommitResult, dependencies=[Depends(authorised)])
+    @app.post("/weights/{update_id}/commit", response_model=P.WeightCommitResult,
+              responses=_responses(_AUTH, _ENGINE, {400: "tensors missing", 404: "no such update", 409: "not the next version"}))  # fmt: skip
     def commit(update_id: str):
         version = service.commit(update_id)
         return P.WeightCommitResult(version=version, fingerprint="")
 
-    @app.get("/weights/fingerprint", response_model=P.Fingerprint, dependencies=[Depends(authorised)])
+    @app.get("/weights/fingerprint", response_model=P.Fingerprint, responses=_responses(_AUTH, _ENGINE))
     def weights_fingerprint():
         version, fp = service.fingerprint()
         return P.Fingerprint(version=version, fingerprint=fp)
@@ -159,26 +213,51 @@ def build_app(
     return app
 
 
-async def _read_body(request: Request) -> bytearray:
-    """The body, received straight into one buffer when its length is declared (no join copy)."""
-    declared = request.headers.get("content-length")
-    if declared is None:
-        buf = bytearray()
-        async for piece in request.stream():
-            buf += piece
-        return buf
-    buf, pos = bytearray(int(declared)), 0
+async def _read_body(request: Request, nbytes: int) -> bytearray:
+    """The body, received straight into one buffer of its declared length (no join copy)."""
+    buf, pos = bytearray(nbytes), 0
     async for piece in request.stream():
-        if pos + len(piece) > len(buf):
+        if pos + len(piece) > nbytes:
             raise ValueError("the body is longer than its Content-Length")
         buf[pos : pos + len(piece)] = piece
         pos += len(piece)
-    if pos != len(buf):
-        raise ValueError(f"the body ended after {pos} of {len(buf)} declared bytes")
+    if pos != nbytes:
+        raise ValueError(f"the body ended after {pos} of {nbytes} declared bytes")
     return buf
 
 
-def parse_safetensors_or_400(body: bytearray | mmap.mmap):
+_SHM_NAME = re.compile(r"tandem-[A-Za-z0-9_-]{1,128}\.safetensors")
+
+
+def _stage_file(service: RolloutService, update_id: str, path: str) -> int:
+    """Stage a safetensors file from shared memory, copied into the server's own memory: nothing
+    outside the server can change or truncate a staged or committed version afterwards. Only a
+    regular file directly in /dev/shm, named tandem-*.safetensors, owned by the server's user,
+    and not a symbolic link; no message quotes the file's contents."""
+    p = Path(path)
+    if p.parent != SHM_DIR or not _SHM_NAME.fullmatch(p.name):
+        raise ValueError(f"path must be a tandem-<id>.safetensors file directly in {SHM_DIR} on the server's host")
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ValueError(f"cannot open {p.name} in {SHM_DIR} ({exc.strerror}); symbolic links are refused") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise ValueError(f"{p.name} must be a regular file owned by the server's user")
+        service.reserve(update_id, info.st_size)
+        buf = bytearray(info.st_size)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            got = fh.readinto(buf)
+        if got != info.st_size:
+            service.release(update_id, info.st_size)
+            raise ValueError(f"{p.name} changed size while it was read")
+    finally:
+        os.close(fd)
+    return service.stage(update_id, parse_safetensors_or_400(buf))
+
+
+def parse_safetensors_or_400(body: bytearray):
     if not body:
         raise ValueError("empty weight chunk; send a safetensors-serialised dict of tensors")
     try:
@@ -226,6 +305,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=65536, help="most prompt + max_tokens tokens in one engine call")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="largest JSON request body")
     p.add_argument("--max-weight-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES, help="largest weight chunk body")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, help="seconds a request body may pause between pieces before the request is dropped (408)")
+    p.add_argument("--max-version-waiters", type=int, default=256, help="most /generate requests that may wait for a min_version at once; more get 503")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
@@ -243,8 +324,8 @@ def serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    service = RolloutService(max_batch_tokens=args.max_batch_tokens)
-    app = build_app(service, args.model, args.api_key, args.max_request_bytes, args.max_weight_chunk_bytes, args.dtype, args.device)
+    service = RolloutService(max_batch_tokens=args.max_batch_tokens, max_version_waiters=args.max_version_waiters)
+    app = build_app(service, args.model, args.api_key, args.max_request_bytes, args.max_weight_chunk_bytes, args.dtype, args.device, args.body_timeout)
 
     def load():
         try:

@@ -1,7 +1,10 @@
 """The rollout server's logic, apart from HTTP: request batching, the version gate, atomic
 versioned weight updates. It depends only on the engine interface."""
 
+import asyncio
+import math
 import threading
+import time
 import uuid
 from collections import deque
 from concurrent.futures import Future
@@ -11,7 +14,7 @@ import torch
 
 from tandem.rollout.engine import Engine
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import check_weights, fingerprint
+from tandem.rollout.weights import check_weights, fingerprint, max_update_bytes
 
 
 class NotReady(RuntimeError):
@@ -24,6 +27,18 @@ class VersionConflict(RuntimeError):
 
 class UnknownUpdate(KeyError):
     """A weight-update id the server does not hold."""
+
+
+class Busy(RuntimeError):
+    """A bounded resource (version waiters) is full; the client should retry later."""
+
+
+class TooLarge(ValueError):
+    """A weight chunk larger than what its update can still hold."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine returned something the server will not pass on (non-finite log-probs)."""
 
 
 @dataclass
@@ -40,6 +55,7 @@ class _Staged:
     version: int
     force: bool
     num_tensors: int
+    capacity: int  # bytes this update may still receive: the model's size in F32, less what arrived or is on its way
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -50,9 +66,12 @@ class RolloutService:
     lock as engine calls: a commit waits for the generation in flight, and no completion mixes
     two versions."""
 
-    def __init__(self, max_batch_tokens: int = 65536, max_model_len: int = 4096, vocab_size: int = 0):
+    def __init__(self, max_batch_tokens: int = 65536, max_model_len: int = 4096, vocab_size: int = 0, max_version_waiters: int = 256):
         self.engine: Engine | None = None
         self.max_batch_tokens = max_batch_tokens
+        self.max_version_waiters = max_version_waiters
+        self._waiters = 0  # requests waiting for min_version; they hold no thread
+        self._version_events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self._engine_lock = threading.Lock()  # one engine call or weight commit at a time
@@ -93,18 +112,15 @@ class RolloutService:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(
+    async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], min_version: int, version_timeout: float
     ) -> list[Completion]:
-        """Completions (prompt-major, n per prompt), each stating the version that generated it."""
+        """Completions (prompt-major, n per prompt), each stating the version that generated it.
+        Waiting for min_version and for the engine holds no thread: a crowd of waiting requests
+        cannot stall health checks or weight updates."""
         self._need_engine()
         self._check(prompts, n, params, seeds)
-        with self._cv:
-            if not self._cv.wait_for(lambda: self.version >= min_version or self._stopped, timeout=version_timeout):
-                raise VersionConflict(
-                    f"min_version {min_version} is not live: the server is at version {self.version} "
-                    f"and waited version_timeout={version_timeout}s for it"
-                )
+        await self._wait_for_version(min_version, version_timeout)
         sequences = [p for p in prompts for _ in range(n)]
         jobs = self._split(sequences, seeds, params)
         with self._cv:
@@ -113,8 +129,38 @@ class RolloutService:
             self._cv.notify_all()
         results: list[Completion] = []
         for job in jobs:
-            results += job.future.result()
+            results += await asyncio.wrap_future(job.future)
         return results
+
+    async def _wait_for_version(self, min_version: int, timeout: float) -> None:
+        if self.version >= min_version:
+            return
+        if self._waiters >= self.max_version_waiters:
+            raise Busy(f"{self._waiters} requests already wait for a version (the limit, --max-version-waiters); retry later")
+        self._waiters += 1
+        deadline = time.monotonic() + timeout
+        try:
+            while self.version < min_version:
+                event = asyncio.Event()
+                self._version_events.append((asyncio.get_running_loop(), event))
+                if self.version >= min_version:  # a commit between the check and the registration
+                    break
+                remaining = deadline - time.monotonic()
+                try:
+                    await asyncio.wait_for(event.wait(), timeout=max(remaining, 0))
+                except TimeoutError:
+                    raise VersionConflict(
+                        f"min_version {min_version} is not live: the server is at version {self.version} "
+                        f"and waited version_timeout={timeout}s for it"
+                    ) from None
+        finally:
+            self._waiters -= 1
+
+    def _version_changed(self) -> None:
+        """Wake every request waiting for a version (called from the thread that committed)."""
+        events, self._version_events = self._version_events, []
+        for loop, event in events:
+            loop.call_soon_threadsafe(event.set)
 
     def _check(self, prompts, n, params: SamplingParams, seeds) -> None:
         params.validate()
@@ -179,9 +225,13 @@ class RolloutService:
                 for job in batch:
                     job.future.set_exception(exc)
                 continue
+            bad = next((i for i, c in enumerate(outs) if not all(math.isfinite(x) for x in c.logprobs)), None)
             start = 0
             for job in batch:
-                job.future.set_result(outs[start : start + len(job.prompts)])
+                if bad is not None:  # JSON has no NaN: a null log-prob would break every client's parser
+                    job.future.set_exception(EngineFailure(f"the engine produced a non-finite log-prob (sequence {bad} of its batch)"))
+                else:
+                    job.future.set_result(outs[start : start + len(job.prompts)])
                 start += len(job.prompts)
 
     # ------------------------------------------------------------------ weights
@@ -191,9 +241,28 @@ class RolloutService:
         if not force and version != engine.version + 1:
             raise VersionConflict(f"update to version {version} refused: the server is at {engine.version}, the next is {engine.version + 1}")
         update_id = uuid.uuid4().hex
+        capacity = max_update_bytes(dict(engine.named_weights()))
         with self._cv:
-            self._staged = {update_id: _Staged(version, force, num_tensors)}  # an unfinished older update is dropped
+            self._staged = {update_id: _Staged(version, force, num_tensors, capacity)}  # an unfinished older update is dropped
         return update_id
+
+    def reserve(self, update_id: str, nbytes: int) -> None:
+        """Before a chunk's body is read: the update must exist and have room for nbytes more.
+        So no request can make the server allocate more than the model's own size."""
+        with self._cv:
+            staged = self._staged.get(update_id)
+            if staged is None:
+                raise UnknownUpdate(f"no weight update {update_id!r} in progress (a newer one replaced it, or it was committed)")
+            if nbytes > staged.capacity:
+                raise TooLarge(f"a chunk of {nbytes} bytes exceeds the {staged.capacity} bytes this update can still hold (the model in F32)")
+            staged.capacity -= nbytes
+
+    def release(self, update_id: str, nbytes: int) -> None:
+        """A reserved chunk that did not arrive gives its room back."""
+        with self._cv:
+            staged = self._staged.get(update_id)
+            if staged is not None:
+                staged.capacity += nbytes
 
     def stage(self, update_id: str, tensors: dict[str, torch.Tensor]) -> int:
         """Hold tensors of an update aside; nothing is live until commit. Returns tensors staged so far."""
@@ -221,7 +290,7 @@ class RolloutService:
             engine.version = staged.version
         with self._cv:
             self._staged.pop(update_id, None)
-            self._cv.notify_all()  # wake requests waiting on min_version
+        self._version_changed()
         return staged.version
 
     def fingerprint(self) -> tuple[int, str]:

@@ -3,6 +3,9 @@
 from dataclasses import asdict, dataclass, field
 
 FINISH_REASONS = ("stop", "length", "error")
+# Bounds that keep logits / temperature and the penalised logits finite in float32 (and bf16).
+TEMPERATURE_RANGE = (1e-2, 1e2)
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
 
 @dataclass(frozen=True)
@@ -19,11 +22,11 @@ class SamplingParams:
     def validate(self) -> None:
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
-            (self.temperature > 0, "temperature", "must be > 0 (use a small value such as 0.01 for near-greedy)"),
+            (_within(self.temperature, TEMPERATURE_RANGE), "temperature", f"must be in {list(TEMPERATURE_RANGE)} (0.01 is near-greedy)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
             (0 <= self.min_p < 1, "min_p", "must be in [0, 1)"),
-            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1.0 disables it)"),
+            (_within(self.repetition_penalty, REPETITION_PENALTY_RANGE), "repetition_penalty", f"must be in {list(REPETITION_PENALTY_RANGE)} (1.0 disables it)"),
         ]
         for ok, name, fix in checks:
             if not ok:
@@ -31,6 +34,10 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _within(value: float, bounds: tuple[float, float]) -> bool:
+    return bounds[0] <= value <= bounds[1]  # False for NaN
 
 
 @dataclass(frozen=True)

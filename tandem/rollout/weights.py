@@ -39,9 +39,14 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
+# Float dtypes a weight may arrive in; it is cast to the engine's dtype when loaded. Integer,
+# boolean and float64 tensors are refused: no trainer sends them, and a silent cast hides a bug.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_weights(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], complete: bool) -> None:
-    """Raise ValueError unless every tensor names a parameter of the same shape (and, when
-    `complete`, every parameter is there)."""
+    """Raise ValueError unless every tensor names a parameter of the same shape, holds a float
+    dtype of WEIGHT_DTYPES and only finite values (and, when `complete`, every parameter is there)."""
     unknown = sorted(set(tensors) - set(params))
     missing = sorted(set(params) - set(tensors)) if complete else []
     if unknown or missing:
@@ -49,6 +54,16 @@ def check_weights(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
     for name, t in tensors.items():
         if tuple(t.shape) != tuple(params[name].shape):
             raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match the model's {tuple(params[name].shape)}")
+        if t.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight {name!r}: dtype {_DTYPES.get(t.dtype, t.dtype)} refused; send F32, BF16 or F16 (cast to the engine's dtype on load)")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"weight {name!r} holds NaN or inf values; the update is refused")
+
+
+def max_update_bytes(params: dict[str, torch.Tensor]) -> int:
+    """The most bytes a full update of these parameters can take in safetensors (F32, the widest
+    accepted dtype, plus room for the header): the bound on what a client may make us allocate."""
+    return sum(4 * p.numel() for p in params.values()) + 65536 + 512 * len(params)
 
 
 def host_id() -> str:
@@ -83,6 +98,9 @@ STREAM_PIECE = 16 * 2**20
 
 def safetensors_stream(tensors: dict[str, torch.Tensor]) -> tuple[int, Iterator[memoryview]]:
     """(total bytes, pieces) of `tensors` in safetensors format; pieces point into the tensors."""
+    # Widest dtypes first, as the safetensors library writes them: every tensor's offset is then
+    # a multiple of its item size, which the parser requires.
+    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
     header, offset = {}, 0
     for name, t in tensors.items():
         if t.dtype not in _DTYPES:
@@ -104,33 +122,55 @@ def safetensors_stream(tensors: dict[str, torch.Tensor]) -> tuple[int, Iterator[
     return len(prefix) + offset, pieces()
 
 
+MAX_HEADER_BYTES = 100 * 2**20  # the library's own limit
+
+
 def parse_safetensors(buffer: bytearray | bytes) -> dict[str, torch.Tensor]:
-    """Tensors viewing `buffer` in place (no copy). Raises ValueError on malformed input."""
+    """Tensors viewing `buffer` in place (no copy). Raises ValueError on malformed input: the
+    header must describe tensors of known dtypes and non-negative shapes whose byte ranges are
+    aligned, in order, without gaps or overlaps, and cover the data exactly. Messages never
+    quote the buffer's contents."""
     if len(buffer) < 8:
         raise ValueError("shorter than a safetensors header")
     n = int.from_bytes(buffer[:8], "little")
-    if n > len(buffer) - 8:
-        raise ValueError("header length points past the end of the data")
+    if n > len(buffer) - 8 or n > MAX_HEADER_BYTES:
+        raise ValueError("header length points past the end of the data (or over 100 MiB)")
     try:
         header = json.loads(bytes(buffer[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"header is not JSON: {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise ValueError("header is not valid UTF-8 JSON") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
-    base, out = 8 + n, {}
+    base, entries = 8 + n, []
     for name, spec in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _FROM_NAME[spec["dtype"]]
-            start, end = (int(x) for x in spec["data_offsets"])
-            shape = [int(s) for s in spec["shape"]]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"tensor {name!r}: malformed header entry {spec!r}") from None
-        count = math.prod(shape)
+        dtype, shape, start, end = _header_entry(name, spec)
+        entries.append((start, end, name, dtype, shape))
+    entries.sort(key=lambda e: e[:2])
+    out, expected = {}, 0
+    for start, end, name, dtype, shape in entries:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - start != count * itemsize or start < 0 or base + end > len(buffer):
-            raise ValueError(f"tensor {name!r}: data_offsets {spec['data_offsets']} do not fit its shape or the data")
+        count = math.prod(shape)
+        if start != expected or end - start != count * itemsize or start % itemsize:
+            raise ValueError(f"tensor {name!r}: data_offsets overlap, leave a gap, are unaligned or do not fit its shape")
+        expected = end
         flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
         out[name] = flat.reshape(shape)
+    if base + expected != len(buffer):
+        raise ValueError(f"the tensors cover {expected} bytes of data, but {len(buffer) - base} follow the header")
     return out
+
+
+def _header_entry(name: str, spec) -> tuple[torch.dtype, list[int], int, int]:
+    def ints(value, count: int | None) -> list[int]:
+        ok = isinstance(value, list) and (count is None or len(value) == count)
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**48 for v in value)
+        if not ok:
+            raise ValueError(f"tensor {name!r}: shape and data_offsets must be lists of non-negative integers")
+        return value
+
+    if not isinstance(spec, dict) or spec.get("dtype") not in _FROM_NAME:
+        raise ValueError(f"tensor {name!r}: header entry needs a dtype of {sorted(_FROM_NAME)}, a shape and data_offsets")
+    start, end = ints(spec.get("data_offsets"), 2)
+    return _FROM_NAME[spec["dtype"]], ints(spec.get("shape"), None), start, end
