@@ -18,16 +18,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import requests
-
+from common import start_server  # bench/common.py
 from tandem.demo import addition_rows, write_jsonl
 
 REWARD = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / max(1, len(c[-1]['content'])) for c in completions]\n"
@@ -35,12 +32,6 @@ REWARD = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() 
 
 def pinned(core: int) -> list[str]:
     return ["taskset", "-c", str(core)] if shutil.which("taskset") else []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_trainer(args, tmp: Path, url: str, mode: str, rep: int) -> dict:
@@ -82,23 +73,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", tmp / "model", "--size", args.size], check=True, capture_output=True)
         write_jsonl(addition_rows(0), tmp / "data.jsonl")
         (tmp / "reward.py").write_text(REWARD)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen(
-            pinned(1) + [sys.executable, "-m", "tandem.cli", "rollout", "--model", str(tmp / "model"), "--port", str(port), "--threads", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+        server, url = start_server(tmp / "model", "--threads", "1", prefix=pinned(1), env={"OMP_NUM_THREADS": "1"})
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if requests.get(url + "/health", timeout=1).json()["status"] == "ready":
-                        break
-                except requests.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    sys.exit("the rollout server did not start")
-                time.sleep(0.3)
             results = {"sync": [], "async": []}
             for rep in range(args.repeats):
                 for mode in ("sync", "async"):

@@ -9,9 +9,6 @@ weights moved and made live). The last push of each transport is checked by fing
 """
 
 import argparse
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -19,6 +16,7 @@ import requests
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from common import start_server  # bench/common.py
 from tandem.init_model import build_tokenizer
 from tandem.rollout.client import RolloutClient
 from tandem.rollout.weights import fingerprint
@@ -45,14 +43,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         build_tokenizer().save_pretrained(tmp)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "rollout", "--model", tmp, "--port", str(port)])
+        server, url = start_server(tmp, timeout=300)
         try:
             client = RolloutClient([url], server_timeout=300)
-            client.wait_until_ready()
             version = 0
             rows = []
             for transport in args.transports:

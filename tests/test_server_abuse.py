@@ -18,6 +18,7 @@ from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
 from conftest import Server
+from tandem.rollout.weights import safetensors_stream, sealed_memfd
 
 KEY = "abuse-key"
 PROMPT = [1, 120, 118, 104, 117, 13, 54, 46, 55]
@@ -79,24 +80,43 @@ def raw_request(server, head: bytes, body: bytes = b"", timeout: float = 10) -> 
     return answer
 
 
-def test_1_a_committed_version_survives_its_shm_file_being_truncated_or_rewritten(server, params):
+def test_1_a_committed_version_cannot_be_changed_through_its_shared_memory(server, params):
     before = generate(server).json()["completions"]
     moved = {n: t + 0.01 for n, t in params.items()}
-    path = SHM / f"tandem-{uuid.uuid4().hex}.safetensors"
-    path.write_bytes(save(moved))
+    fd = sealed_memfd(safetensors_stream(moved)[1])
     try:
         uid = begin(server, len(moved))
-        assert call(server, "POST", f"/weights/{uid}/file", json={"path": str(path)}).status_code == 200
+        r = call(server, "POST", f"/weights/{uid}/file", json={"path": f"/proc/{os.getpid()}/fd/{fd}"})
+        assert r.status_code == 200, r.text
         assert call(server, "POST", f"/weights/{uid}/commit").status_code == 200
         live = call(server, "GET", "/weights/fingerprint").json()
         served = generate(server).json()["completions"]
         assert served != before
-        path.write_bytes(save(params))  # rewritten in place with other weights
-        assert call(server, "GET", "/weights/fingerprint").json() == live
-        os.truncate(path, 0)  # once a SIGBUS that killed the server
-        assert generate(server).json()["completions"] == served
-        assert call(server, "GET", "/weights/fingerprint").json() == live
+        # A file in /dev/shm could once be truncated (the server died of SIGBUS) or rewritten in
+        # place (the live weights changed with no new version). The sealed memfd refuses both.
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"\0" * 64, 100)
     finally:
+        os.close(fd)
+    assert generate(server).json()["completions"] == served
+    assert call(server, "GET", "/weights/fingerprint").json() == live
+
+
+def test_1_an_unsealed_memfd_or_a_plain_shm_file_is_refused(server, params):
+    uid = begin(server, len(params))
+    fd = os.memfd_create("unsealed")
+    os.write(fd, save(params))
+    path = SHM / f"tandem-{uuid.uuid4().hex}.safetensors"
+    path.write_bytes(save(params))
+    try:
+        r = call(server, "POST", f"/weights/{uid}/file", json={"path": f"/proc/{os.getpid()}/fd/{fd}"})
+        assert r.status_code == 400 and "sealed" in r.json()["error"], r.text
+        r = call(server, "POST", f"/weights/{uid}/file", json={"path": str(path)})
+        assert r.status_code == 400 and "/proc/<pid>/fd/<n>" in r.json()["error"], r.text
+    finally:
+        os.close(fd)
         path.unlink(missing_ok=True)
 
 
@@ -225,31 +245,28 @@ def test_7_8_malformed_safetensors_headers_get_a_400(server, params, make):
     assert call(server, "GET", "/health", key=None).status_code == 200
 
 
-def test_7_a_long_file_name_gets_a_400(server, params):
+def test_7_a_long_path_gets_a_4xx(server, params):
     uid = begin(server, len(params))
-    r = call(server, "POST", f"/weights/{uid}/file", json={"path": str(SHM / ("tandem-" + "a" * 5000))})
-    assert r.status_code == 400 and "tandem-<id>.safetensors" in r.json()["error"], r.text
+    r = call(server, "POST", f"/weights/{uid}/file", json={"path": "/proc/1/fd/" + "1" * 5000})
+    assert r.status_code == 422 and "path" in r.json()["error"], r.text
 
 
-def test_9_symlinks_and_files_of_other_users_are_refused_and_never_quoted(server, params, tmp_path):
+def test_9_only_sealed_memfds_of_the_servers_user_are_read_and_nothing_is_quoted(server, params, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOP-SECRET-CONTENT " * 10)
-    link = SHM / f"tandem-{uuid.uuid4().hex}.safetensors"
-    foreign = SHM / f"tandem-{uuid.uuid4().hex}.safetensors"
-    garbage = SHM / f"tandem-{uuid.uuid4().hex}.safetensors"
-    link.symlink_to(secret)
-    foreign.write_bytes(save(params))
-    os.chown(foreign, 65534, 65534)  # nobody
-    garbage.write_text("TOP-SECRET-CONTENT not safetensors at all")
+    plain = os.open(secret, os.O_RDONLY)  # /proc/<pid>/fd/<n> of a regular file: a link to it
+    foreign = sealed_memfd(safetensors_stream(params)[1])
+    os.fchown(foreign, 65534, 65534)  # nobody
+    garbage = sealed_memfd([memoryview(b"TOP-SECRET-CONTENT not safetensors at all")])
     try:
         uid = begin(server, len(params))
-        for path, words in [(link, "symbolic links are refused"), (foreign, "owned by the server's user"), (garbage, "not valid safetensors")]:
-            r = call(server, "POST", f"/weights/{uid}/file", json={"path": str(path)})
+        for fd, words in [(plain, "sealed"), (foreign, "owned by the server's user"), (garbage, "not valid safetensors")]:
+            r = call(server, "POST", f"/weights/{uid}/file", json={"path": f"/proc/{os.getpid()}/fd/{fd}"})
             assert r.status_code == 400 and words in r.json()["error"], r.text
             assert "SECRET" not in r.text
     finally:
-        for p in (link, foreign, garbage):
-            p.unlink(missing_ok=True)
+        for fd in (plain, foreign, garbage):
+            os.close(fd)
 
 
 @pytest.mark.parametrize("path", ["/generate", "/weights/begin", "/weights/x/file"])

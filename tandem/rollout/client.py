@@ -2,9 +2,9 @@
 servers (requests spread over them, weights pushed to all), and an Engine that runs remotely."""
 
 import logging
+import os
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -12,7 +12,7 @@ import requests
 import torch
 
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import SHM_DIR, buckets, host_id, safetensors_stream, shm_available
+from tandem.rollout.weights import buckets, host_id, safetensors_stream, sealed_memfd, shm_available
 
 log = logging.getLogger("tandem")
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
@@ -218,14 +218,13 @@ class RolloutClient:
         uid = handle["update_id"]
         for bucket in buckets(named, self.bucket_bytes):
             if self._use_shm(url):
-                path = SHM_DIR / f"tandem-{uuid.uuid4().hex}.safetensors"
+                fd = sealed_memfd(safetensors_stream(bucket)[1])
                 try:
-                    with open(path, "wb") as fh:
-                        for piece in safetensors_stream(bucket)[1]:
-                            fh.write(piece)
-                    self._call("POST", url, f"/weights/{uid}/file", "a weight file", json={"path": str(path)})
+                    # The server opens our descriptor through /proc and maps it; the seals make
+                    # the bytes immutable, so nothing can change them once they are staged.
+                    self._call("POST", url, f"/weights/{uid}/file", "a weight file", json={"path": f"/proc/{os.getpid()}/fd/{fd}"})
                 finally:
-                    path.unlink(missing_ok=True)
+                    os.close(fd)
             else:
                 self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", data=_Body(*safetensors_stream(bucket)),
                            headers={"Content-Type": "application/octet-stream"})  # fmt: skip

@@ -74,7 +74,7 @@ class WeightUpdateHandle(BaseModel):
 
 
 class WeightFile(_Strict):
-    path: str = Field(..., description="A safetensors file in shared memory on the server's host.")
+    path: str = Field(..., max_length=64, description="/proc/<pid>/fd/<n>: a sealed memfd holding safetensors, of a process of the server's user on its host.")
 
 
 class Staged(BaseModel):

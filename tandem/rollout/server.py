@@ -6,12 +6,9 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
-import re
-import stat
+import mmap
 import sys
 import threading
-from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,7 +20,7 @@ from starlette.requests import ClientDisconnect
 from tandem.rollout import protocol as P
 from tandem.rollout.serving import Busy, EngineFailure, NotReady, RolloutService, TooLarge, UnknownUpdate, VersionConflict
 from tandem.rollout.types import SamplingParams
-from tandem.rollout.weights import SHM_DIR, host_id, parse_safetensors
+from tandem.rollout.weights import host_id, open_sealed_memfd, parse_safetensors
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 DEFAULT_MAX_CHUNK_BYTES = 2 * 2**30
@@ -76,7 +73,8 @@ class Guard:
         async def guarded_receive():
             nonlocal seen
             try:
-                message = await asyncio.wait_for(receive(), timeout=self.body_timeout)
+                async with asyncio.timeout(self.body_timeout):  # no task per message, unlike wait_for
+                    message = await receive()
             except TimeoutError:
                 return await drop(408, f"no body data for {self.body_timeout:g}s (--body-timeout); the request is dropped")
             seen += len(message.get("body", b""))
@@ -226,38 +224,21 @@ async def _read_body(request: Request, nbytes: int) -> bytearray:
     return buf
 
 
-_SHM_NAME = re.compile(r"tandem-[A-Za-z0-9_-]{1,128}\.safetensors")
-
-
 def _stage_file(service: RolloutService, update_id: str, path: str) -> int:
-    """Stage a safetensors file from shared memory, copied into the server's own memory: nothing
-    outside the server can change or truncate a staged or committed version afterwards. Only a
-    regular file directly in /dev/shm, named tandem-*.safetensors, owned by the server's user,
-    and not a symbolic link; no message quotes the file's contents."""
-    p = Path(path)
-    if p.parent != SHM_DIR or not _SHM_NAME.fullmatch(p.name):
-        raise ValueError(f"path must be a tandem-<id>.safetensors file directly in {SHM_DIR} on the server's host")
+    """Stage weights from a sealed memfd of a process on this host, mapped in place (see
+    weights.open_sealed_memfd): the kernel's seals keep a staged or committed version from being
+    changed or truncated by anyone; no message quotes the file's contents."""
+    mapped = open_sealed_memfd(path)
+    service.reserve(update_id, len(mapped))
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ValueError(f"cannot open {p.name} in {SHM_DIR} ({exc.strerror}); symbolic links are refused") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            raise ValueError(f"{p.name} must be a regular file owned by the server's user")
-        service.reserve(update_id, info.st_size)
-        buf = bytearray(info.st_size)
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            got = fh.readinto(buf)
-        if got != info.st_size:
-            service.release(update_id, info.st_size)
-            raise ValueError(f"{p.name} changed size while it was read")
-    finally:
-        os.close(fd)
-    return service.stage(update_id, parse_safetensors_or_400(buf))
+        tensors = parse_safetensors_or_400(mapped)
+    except ValueError:
+        service.release(update_id, len(mapped))
+        raise
+    return service.stage(update_id, tensors)
 
 
-def parse_safetensors_or_400(body: bytearray):
+def parse_safetensors_or_400(body: bytearray | mmap.mmap):
     if not body:
         raise ValueError("empty weight chunk; send a safetensors-serialised dict of tensors")
     try:

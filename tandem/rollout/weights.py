@@ -1,17 +1,18 @@
 """Moving trainer weights into an engine: fingerprints, buckets, the shared-memory path."""
 
+import fcntl
 import hashlib
 import json
 import math
+import mmap
 import os
+import re
 import socket
+import stat
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-
-SHM_DIR = Path("/dev/shm")
-
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """sha256 over names, dtypes, shapes and bytes, in name order. Equal iff the weights are equal
@@ -56,7 +57,9 @@ def check_weights(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
             raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} does not match the model's {tuple(params[name].shape)}")
         if t.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight {name!r}: dtype {_DTYPES.get(t.dtype, t.dtype)} refused; send F32, BF16 or F16 (cast to the engine's dtype on load)")
-        if not bool(torch.isfinite(t).all()):
+        # A NaN or inf anywhere makes the sum non-finite: one cheap reduction (0.04 s for 2 GB
+        # here, against 1.6 s for isfinite), and the exact check only when the sum overflowed.
+        if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
             raise ValueError(f"weight {name!r} holds NaN or inf values; the update is refused")
 
 
@@ -67,7 +70,7 @@ def max_update_bytes(params: dict[str, torch.Tensor]) -> int:
 
 
 def host_id() -> str:
-    """Same for two processes on one host (and one boot): they can share /dev/shm."""
+    """Same for two processes on one host (and one boot): they can share memory (the shm transport)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -75,8 +78,56 @@ def host_id() -> str:
     return f"{socket.gethostname()}:{boot}"
 
 
+# Sealed memfds carry weights between processes of one host: the seals make the bytes immutable
+# and the size fixed, enforced by the kernel, so a receiver can map them in place (no copy) and
+# no process, the sender included, can change or truncate them afterwards.
+SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE if hasattr(fcntl, "F_SEAL_WRITE") else 0
+MEMFD_PATH = re.compile(r"/proc/(\d{1,10})/fd/(\d{1,10})")
+
+
 def shm_available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+    return hasattr(os, "memfd_create") and bool(SEALS)
+
+
+def sealed_memfd(pieces: Iterable[memoryview]) -> int:
+    """A memfd holding the pieces, sealed against any change; the caller closes the descriptor."""
+    fd = os.memfd_create("tandem-weights", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as fh:
+            for piece in pieces:
+                fh.write(piece)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_sealed_memfd(path: str) -> mmap.mmap:
+    """Map a sealed memfd named by /proc/<pid>/fd/<n>, refusing anything else: a regular file,
+    a symbolic link to one, another user's descriptor, an unsealed memfd. The mapping is private
+    (writes to it stay in this process) and the seals keep the bytes under it fixed."""
+    if not MEMFD_PATH.fullmatch(path):
+        raise ValueError("path must be /proc/<pid>/fd/<n>: a sealed memfd of a process of the server's user on this host")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"cannot open {path} ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise ValueError(f"{path} must be a memfd owned by the server's user")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # not a memfd: regular files cannot be sealed
+        if seals & SEALS != SEALS:
+            raise ValueError(f"{path} must be a memfd sealed against writes and resizing (F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW)")
+        if info.st_size == 0:
+            raise ValueError(f"{path} is empty; send a safetensors-serialised dict of tensors")
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- safetensors without extra copies
