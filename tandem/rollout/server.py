@@ -11,10 +11,10 @@ import sys
 import threading
 
 from fastapi import FastAPI, HTTPException, Request
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem.rollout import protocol as P
@@ -188,10 +188,10 @@ def build_app(
         service.reserve(update_id, nbytes)
         try:
             body = await _read_body(request, nbytes)
+            return P.Staged(staged=await run_in_threadpool(service.stage, update_id, parse_safetensors_or_400(body)))
         except BaseException:
-            service.release(update_id, nbytes)
+            service.release(update_id, nbytes)  # a chunk refused or cut off holds no room
             raise
-        return P.Staged(staged=await run_in_threadpool(service.stage, update_id, parse_safetensors_or_400(body)))
 
     @app.post("/weights/{update_id}/file", response_model=P.Staged, responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 413: "more than the update can hold"}))
     async def from_file(update_id: str, req: P.WeightFile):
@@ -231,11 +231,10 @@ def _stage_file(service: RolloutService, update_id: str, path: str) -> int:
     mapped = open_sealed_memfd(path)
     service.reserve(update_id, len(mapped))
     try:
-        tensors = parse_safetensors_or_400(mapped)
-    except ValueError:
+        return service.stage(update_id, parse_safetensors_or_400(mapped))
+    except BaseException:
         service.release(update_id, len(mapped))
         raise
-    return service.stage(update_id, tensors)
 
 
 def parse_safetensors_or_400(body: bytearray | mmap.mmap):
