@@ -65,7 +65,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, tmp_p
         # much (measured: 4e-5 after 8 steps at lr 1e-2; an Adam step here moves weights ~1e-2).
         worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
         assert worst < 1e-3, worst
-        assert [m["loss"] for m in m_resumed] == pytest.approx([m["loss"] for m in m_whole], abs=1e-5)
+        # Losses follow the weights: measured differences up to 2.2e-5 on losses of about 0.03.
+        assert [m["loss"] for m in m_resumed] == pytest.approx([m["loss"] for m in m_whole], abs=2e-4)
     else:
         assert all((whole[k] == resumed[k]).all() for k in whole), "weights must be bitwise equal"
         assert [m["loss"] for m in m_resumed] == [m["loss"] for m in m_whole]

@@ -10,9 +10,9 @@
 
 import json
 import math
-import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,11 +21,11 @@ import yaml
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoTokenizer
 
 from tandem import rewards as rewards_lib
-from tandem.algo import Normalisation, group_advantages, importance_weights, nanstd, policy_loss
-from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset
+from tandem.algo import Normalisation, group_advantages, importance_weights, policy_loss
+from tandem.data import GroupSampler
 from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.weights import fingerprint
@@ -33,29 +33,9 @@ from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig
-from tandem.trainer.metrics import JsonlWriter
-from tandem.trainer.producer import AsyncProducer, PromptTable, Round, SyncProducer, completion_seed
-
-
-def load_prompts(config: TrainConfig, tokenizer) -> tuple[PromptTable, int]:
-    """Encode every prompt once; returns the table and how many prompts were skipped as too long."""
-    ds = load_prompt_dataset(config.dataset_name, config.dataset_split, config.dataset_config)
-    others = [c for c in ds.column_names if c != "prompt"]
-    table = PromptTable(prompts=[], prompt_ids=[], columns={c: [] for c in others}, conversational=[])
-    skipped = 0
-    for row in ds:
-        ids = encode_prompt(tokenizer, row["prompt"], config.max_prompt_length, config.prompt_truncation)
-        if ids is None:
-            skipped += 1
-            continue
-        table.prompts.append(row["prompt"])
-        table.prompt_ids.append(ids)
-        table.conversational.append(not isinstance(row["prompt"], str))
-        for c in others:
-            table.columns[c].append(row[c])
-    if not table.prompt_ids:
-        raise ValueError(f"all {skipped} prompts are longer than max_prompt_length={config.max_prompt_length}; raise it")
-    return table, skipped
+from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
+from tandem.trainer.producer import AsyncProducer, Round, SyncProducer, completion_seed
+from tandem.trainer.setup import build_policy, load_prompts
 
 
 def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -63,6 +43,19 @@ def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r[:width]
     return out
+
+
+@dataclass
+class _Scores:
+    """A round's rewards and advantages over every rank, and this rank's share."""
+
+    table: torch.Tensor  # (N, F), one column per reward function
+    rewards: torch.Tensor  # (N,), weighted sum
+    advantages: torch.Tensor  # (N,)
+    local: torch.Tensor  # (N_rank,), this rank's advantages
+    stats: dict  # detached statistics of group_advantages
+    lengths: torch.Tensor  # (N,) completion lengths
+    truncated: torch.Tensor  # (N,) 1 where the completion hit max_completion_length
 
 
 class Trainer:
@@ -104,24 +97,7 @@ class Trainer:
         # Resuming: the weights come from the checkpoint, everything else from its state files.
         self.resume_dir = checkpoint.resolve(config.resume_from_checkpoint, config.output_dir) if config.resume_from_checkpoint else None
         state = json.loads((self.resume_dir / "trainer_state.json").read_text()) if self.resume_dir else None
-        model = AutoModelForCausalLM.from_pretrained(self.resume_dir or config.model_name_or_path)
-        self.ref_model = None
-        if config.beta != 0.0:
-            ref = AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(self.accelerator.device)
-            self.ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2),
-            weight_decay=config.weight_decay,
-        )
-        # Stepped by hand once per optimizer step: accelerate's prepared scheduler would step once per process.
-        self.scheduler = get_scheduler(
-            config.lr_scheduler_type,
-            optimizer,
-            num_warmup_steps=math.ceil(config.warmup_ratio * config.max_steps),
-            num_training_steps=config.max_steps,
-        )
+        model, self.ref_model, optimizer, self.scheduler = build_policy(config, self.resume_dir, self.accelerator.device)
         # The trainer's forward goes through PrefixSharingLM; the engine, pushes and checkpoints use the LM inside.
         self.model, self.optimizer = self.accelerator.prepare(PrefixSharingLM(model), optimizer)
         self.global_step = state["global_step"] if state else 0
@@ -157,8 +133,8 @@ class Trainer:
             if rng_file.exists():
                 checkpoint.set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy's state needs pickle
             if self.is_main:
-                _truncate_log(self.out / "metrics.jsonl", self.global_step)
-                _truncate_log(self.out / "completions.jsonl", self.global_step)
+                truncate_log(self.out / "metrics.jsonl", self.global_step)
+                truncate_log(self.out / "completions.jsonl", self.global_step)
                 print(f"tandem: resumed from {self.resume_dir} at step {self.global_step}, policy version {self.version}", flush=True)
         self._sampler_state = state["sampler"] if state else self.sampler.state_dict()  # after the last trained round
         self.producer.start(state["round"] if state else 0, ready)
@@ -246,12 +222,11 @@ class Trainer:
     def _train_round(self, bar) -> dict:
         """One round: generate, advantage, update (one or more optimizer steps), sync, log."""
         cfg = self.config
-        G, GA = cfg.num_generations, cfg.gradient_accumulation_steps
-        steps_per_round = cfg.steps_per_round()
+        steps = cfg.steps_per_generation // cfg.gradient_accumulation_steps  # optimizer steps per pass
         # The proximal policy is the weights at the round's start. With one optimizer step per round
         # those are the weights of every forward in the round, so its log-probs are the current
         # ones, detached; only when the policy moves within the round are they recomputed first.
-        need_proximal = steps_per_round > 1
+        need_proximal = cfg.steps_per_round() > 1
         # Behaviour log-probs from a rollout server come from other numerics than this forward
         # (another process, dtype or kernel) and, in async mode, from older weights: correct for
         # both, as TRL corrects vLLM's even when generation is synchronous. A colocated engine
@@ -265,17 +240,9 @@ class Trainer:
         with self.accelerator.autocast():
             rnd = self.producer.next_round()
         rollouts = rnd.rollouts  # (N_rank,)
-        n_local = len(rollouts)
 
         # --- advantage: group statistics over the rewards of every rank ---
-        rewards = rewards_lib.combine(rnd.rewards, [r.weight for r in self.reward_fns])  # (N_rank,)
-        all_table = self._gather(rnd.rewards)  # (N, F)
-        all_rewards = self._gather(rewards)  # (N,)
-        advantages_all, adv_stats = group_advantages(all_rewards, G, cfg.scale_rewards)  # (N,)
-        advantages = advantages_all[self.rank * n_local : (self.rank + 1) * n_local]  # (N_rank,)
-        lengths = self._gather(torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float))  # (N,)
-        truncated = self._gather(torch.tensor([r.truncated for r in rollouts], dtype=torch.float))  # (N,)
-
+        scores = self._advantages(rnd)
         C = max(1, max(len(r.completion_ids) for r in rollouts))
         old_logps = _pad_rows(self._logprobs_no_grad(self.model, rollouts), C) if need_proximal else None  # (N_rank, C)
         ref_logps = _pad_rows(self._logprobs_no_grad(self.ref_model, rollouts), C) if self.ref_model is not None else None
@@ -283,32 +250,30 @@ class Trainer:
         staleness = self._staleness(rollouts) if cfg.async_generate else {}
 
         # --- update ---
-        orders = [self._order(n_local, rnd.index, it) for it in range(cfg.num_iterations)]  # micro-batch order per pass
-        step_tokens = self._step_tokens(rollouts, orders)  # (num_iterations, steps_per_generation // GA)
-        micro_size = cfg.per_device_train_batch_size
+        orders = [self._order(len(rollouts), rnd.index, it) for it in range(cfg.num_iterations)]  # micro-batch order per pass
+        step_tokens = self._step_tokens(rollouts, orders)  # (num_iterations, steps)
         record: dict = {}
         for it, order in enumerate(orders):
-            for opt_step in range(cfg.steps_per_generation // GA):
+            for opt_step in range(steps):
                 t_train = time.perf_counter()
+                batches = self._micro_batches(order, opt_step)
+                norm = Normalisation(
+                    max_completion_length=cfg.max_completion_length,
+                    grad_accum=len(batches),
+                    step_tokens=float(step_tokens[it, opt_step]),
+                    world_size=self.world,
+                )
                 stats: dict[str, list] = {}
                 loss_sum = torch.zeros(())
-                for m in range(GA):
-                    lo = (opt_step * GA + m) * micro_size
-                    idx = order[lo : lo + micro_size]
-                    norm = Normalisation(
-                        max_completion_length=cfg.max_completion_length,
-                        grad_accum=GA,
-                        step_tokens=float(step_tokens[it, opt_step]),
-                        world_size=self.world,
-                    )
-                    loss, mstats = self._micro_step(rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm, sync=m == GA - 1)
+                for m, idx in enumerate(batches):
+                    loss, mstats = self._micro_step(rollouts, idx, scores.local, old_logps, ref_logps, behav_logps, norm, sync=m == len(batches) - 1)
                     loss_sum += loss
                     for k, v in mstats.items():
                         stats.setdefault(k, []).append(v)
                 grad_norm = self._optimizer_step(loss_sum)
                 self.global_step += 1
                 first = it == 0 and opt_step == 0
-                final = (it == cfg.num_iterations - 1 and opt_step == cfg.steps_per_generation // GA - 1) or self.global_step >= cfg.max_steps
+                final = (it == cfg.num_iterations - 1 and opt_step == steps - 1) or self.global_step >= cfg.max_steps
                 if final:
                     self._sampler_state = rnd.sampler_state  # this round is trained: a checkpoint continues after it
                 # --- sync weights ---
@@ -325,31 +290,58 @@ class Trainer:
                             raise
                         sync_error, sync_seconds = exc, float("nan")
                 # --- log ---
-                record = {
-                    "step": self.global_step,
-                    "timestamp": time.time(),
-                    "round": rnd.index,
-                    "policy_version": self.version,
-                    "loss": loss_sum,
-                    "grad_norm": grad_norm,
-                    "skipped_steps": self.skipped_steps,
-                    "learning_rate": self.scheduler.get_last_lr()[0],
-                    **{k: _combine(k, torch.stack(v)) for k, v in stats.items()},
-                }
-                record = self._reduce_across_ranks(record)
-                record.setdefault("kl", None)  # no reference model when beta = 0
-                round_seconds = time.perf_counter() - round_start
-                record.update(self._round_metrics(rnd, all_table, all_rewards, adv_stats, lengths, truncated, round_seconds, first))
+                record = self._step_record(rnd, scores, loss_sum, grad_norm, stats, time.perf_counter() - round_start, first)
                 record.update(staleness)
                 record["time/train"] = time.perf_counter() - t_train - sync_seconds
                 record["time/weight_sync"] = sync_seconds
                 self._log(record, bar)
                 if first:
-                    self._log_completions(rnd, all_rewards, advantages_all)
+                    self._log_completions(rnd, scores.rewards, scores.advantages)
                 if sync_error is not None:
                     raise sync_error
                 if self.global_step >= cfg.max_steps:
                     return record
+        return record
+
+    def _advantages(self, rnd: Round) -> "_Scores":
+        """Rewards gathered from every rank, group-relative advantages, and this rank's share."""
+        rollouts, n = rnd.rollouts, len(rnd.rollouts)
+        rewards = rewards_lib.combine(rnd.rewards, [r.weight for r in self.reward_fns])  # (N_rank,)
+        all_rewards = self._gather(rewards)  # (N,)
+        advantages, stats = group_advantages(all_rewards, self.config.num_generations, self.config.scale_rewards)  # (N,)
+        return _Scores(
+            table=self._gather(rnd.rewards),  # (N, F)
+            rewards=all_rewards,
+            advantages=advantages,
+            local=advantages[self.rank * n : (self.rank + 1) * n],  # (N_rank,)
+            stats=stats,
+            lengths=self._gather(torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float)),  # (N,)
+            truncated=self._gather(torch.tensor([r.truncated for r in rollouts], dtype=torch.float)),  # (N,)
+        )
+
+    def _micro_batches(self, order: list[int], opt_step: int) -> list[list[int]]:
+        """Indices of the gradient_accumulation_steps micro-batches of one optimizer step."""
+        size, GA = self.config.per_device_train_batch_size, self.config.gradient_accumulation_steps
+        return [order[(opt_step * GA + m) * size : (opt_step * GA + m + 1) * size] for m in range(GA)]
+
+    def _step_record(self, rnd: Round, scores: "_Scores", loss_sum, grad_norm, stats: dict, round_seconds: float, first: bool) -> dict:
+        """One metrics.jsonl line: the step's loss and statistics over every rank, and the round's."""
+        record = {
+            "step": self.global_step,
+            "timestamp": time.time(),
+            "round": rnd.index,
+            "policy_version": self.version,
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "skipped_steps": self.skipped_steps,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            **{k: combine(k, torch.stack(v)) for k, v in stats.items()},
+        }
+        record = self._reduce_across_ranks(record)
+        record.setdefault("kl", None)  # no reference model when beta = 0
+        names = [fn.name for fn in self.reward_fns]
+        record.update(round_metrics(rnd, names, scores.table, scores.rewards, scores.stats, scores.lengths, scores.truncated, round_seconds, first))
+        record["prompts_skipped"] = self.skipped_prompts
         return record
 
     # ------------------------------------------------------------------ phases
@@ -495,32 +487,10 @@ class Trainer:
         values = torch.stack([record[k].detach().float().cpu().reshape(()) for k in keys])  # (K,)
         if self.world > 1:
             every = self._gather(values.unsqueeze(0))  # (world, K)
-            values = torch.stack([_combine(k, every[:, j]) for j, k in enumerate(keys)])
+            values = torch.stack([combine(k, every[:, j]) for j, k in enumerate(keys)])
         return {**record, **dict(zip(keys, values.tolist()))}
 
     # ------------------------------------------------------------------ logging and saving
-
-    def _round_metrics(self, rnd, table, rewards, adv_stats, lengths, truncated, round_seconds, first) -> dict:
-        tokens = float(lengths.sum())
-        m = {
-            "reward": torch.nanmean(rewards).item(),
-            "reward_std": nanstd(rewards).nan_to_num(0.0).item(),
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/truncated_ratio": truncated.mean().item(),
-            "completion_tokens": tokens,
-            "completion_tokens_per_second": tokens / max(round_seconds, 1e-9),
-            "frac_reward_zero_std": adv_stats["frac_groups_zero_std"].item(),
-            "prompts_skipped": self.skipped_prompts,
-            "time/wait_for_rollouts": rnd.wait_seconds if first else 0.0,
-            "time/generate": rnd.generate_seconds if first else 0.0,
-            "time/reward": rnd.reward_seconds if first else 0.0,
-        }
-        for j, fn in enumerate(self.reward_fns):
-            m[f"rewards/{fn.name}/mean"] = torch.nanmean(table[:, j]).item()
-            m[f"rewards/{fn.name}/std"] = nanstd(table[:, j]).nan_to_num(0.0).item()
-        return m
 
     def _log(self, record: dict, bar) -> None:
         if not self.is_main:
@@ -530,23 +500,10 @@ class Trainer:
         bar.set_postfix(reward=f"{record['reward']:.3f}", tok_s=f"{record['completion_tokens_per_second']:.0f}", loss=f"{record['loss']:.4f}")
 
     def _log_completions(self, rnd, all_rewards, advantages_all) -> None:
-        if not self.is_main or not self.config.num_completions_to_log:
-            return
-        texts = self.tokenizer.batch_decode([r.completion_ids for r in rnd.rollouts], skip_special_tokens=False)
-        for k, ro in enumerate(rnd.rollouts[: self.config.num_completions_to_log]):
-            self.completions_log.write(
-                {
-                    "step": self.global_step,
-                    "round": rnd.index,
-                    "prompt": self.tokenizer.decode(ro.prompt_ids, skip_special_tokens=False),
-                    "completion": texts[k],
-                    "reward": all_rewards[k].item(),
-                    **{f"rewards/{fn.name}": rnd.rewards[k, j].item() for j, fn in enumerate(self.reward_fns)},
-                    "advantage": advantages_all[k].item(),
-                    "finish_reason": ro.finish_reason,
-                    "policy_version": ro.version,
-                }
-            )
+        if self.is_main and self.config.num_completions_to_log:
+            names = [fn.name for fn in self.reward_fns]
+            for line in completion_records(rnd, self.tokenizer, names, all_rewards, advantages_all, self.global_step, self.config.num_completions_to_log):
+                self.completions_log.write(line)
 
     def save(self) -> Path | None:
         """A checkpoint every rank contributes to (its RNG state and the rounds it generated
@@ -602,26 +559,6 @@ class Trainer:
 
 class NonFiniteStepError(RuntimeError):
     """A step's loss or gradient norm was NaN or inf and on_nonfinite is 'error'."""
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop lines logged after `step` by a run that died after its last checkpoint."""
-    if not path.exists():
-        return
-    lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
-
-
-def _combine(key: str, values: torch.Tensor) -> torch.Tensor:
-    """Several values of one metric (micro-batches or ranks) into one."""
-    if key.endswith("/min"):
-        return values.min()
-    if key.endswith("/max"):
-        return values.max()
-    return values.mean()
-
 
 
 def train(config: TrainConfig) -> dict:

@@ -2,7 +2,12 @@
 
 import json
 import math
+import os
 from pathlib import Path
+
+import torch
+
+from tandem.algo import nanstd
 
 
 def _plain(value):
@@ -24,3 +29,67 @@ class JsonlWriter:
 
     def close(self) -> None:
         self.fh.close()
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop lines logged after `step` by a run that died after its last checkpoint."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+
+
+def combine(key: str, values: torch.Tensor) -> torch.Tensor:
+    """Several values of one metric (micro-batches or ranks) into one: min of */min, max of */max, else mean."""
+    if key.endswith("/min"):
+        return values.min()
+    if key.endswith("/max"):
+        return values.max()
+    return values.mean()
+
+
+def round_metrics(rnd, reward_names: list[str], table, rewards, adv_stats, lengths, truncated, round_seconds: float, first: bool) -> dict:
+    """The round's reward, length and time metrics, over every rank. table (N, F), rewards,
+    lengths, truncated (N,). Generate and reward times go on the round's first step only, so
+    their sum over steps is the true total."""
+    tokens = float(lengths.sum())
+    m = {
+        "reward": torch.nanmean(rewards).item(),
+        "reward_std": nanstd(rewards).nan_to_num(0.0).item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/truncated_ratio": truncated.mean().item(),
+        "completion_tokens": tokens,
+        "completion_tokens_per_second": tokens / max(round_seconds, 1e-9),
+        "frac_reward_zero_std": adv_stats["frac_groups_zero_std"].item(),
+        "time/wait_for_rollouts": rnd.wait_seconds if first else 0.0,
+        "time/generate": rnd.generate_seconds if first else 0.0,
+        "time/reward": rnd.reward_seconds if first else 0.0,
+    }
+    for j, name in enumerate(reward_names):
+        m[f"rewards/{name}/mean"] = torch.nanmean(table[:, j]).item()
+        m[f"rewards/{name}/std"] = nanstd(table[:, j]).nan_to_num(0.0).item()
+    return m
+
+
+def completion_records(rnd, tokenizer, reward_names: list[str], rewards, advantages, step: int, limit: int) -> list[dict]:
+    """The first `limit` completions of this rank's round, decoded, with their rewards, for completions.jsonl."""
+    shown = rnd.rollouts[:limit]
+    texts = tokenizer.batch_decode([r.completion_ids for r in shown], skip_special_tokens=False)
+    return [
+        {
+            "step": step,
+            "round": rnd.index,
+            "prompt": tokenizer.decode(ro.prompt_ids, skip_special_tokens=False),
+            "completion": texts[k],
+            "reward": rewards[k].item(),
+            **{f"rewards/{name}": rnd.rewards[k, j].item() for j, name in enumerate(reward_names)},
+            "advantage": advantages[k].item(),
+            "finish_reason": ro.finish_reason,
+            "policy_version": ro.version,
+        }
+        for k, ro in enumerate(shown)
+    ]

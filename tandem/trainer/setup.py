@@ -1,0 +1,58 @@
+"""Building what the loop uses: the prompt table, the policy with its optimizer and schedule,
+and the reference model. Plain objects out; the loop decides what to do with them."""
+
+import math
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from tandem.data import encode_prompt, load_prompt_dataset
+from tandem.trainer.batch import PrefixSharingLM
+from tandem.trainer.config import TrainConfig
+from tandem.trainer.producer import PromptTable
+
+
+def load_prompts(config: TrainConfig, tokenizer) -> tuple[PromptTable, int]:
+    """Encode every prompt once; returns the table and how many prompts were skipped as too long."""
+    ds = load_prompt_dataset(config.dataset_name, config.dataset_split, config.dataset_config)
+    others = [c for c in ds.column_names if c != "prompt"]
+    table = PromptTable(prompts=[], prompt_ids=[], columns={c: [] for c in others}, conversational=[])
+    skipped = 0
+    for row in ds:
+        ids = encode_prompt(tokenizer, row["prompt"], config.max_prompt_length, config.prompt_truncation)
+        if ids is None:
+            skipped += 1
+            continue
+        table.prompts.append(row["prompt"])
+        table.prompt_ids.append(ids)
+        table.conversational.append(not isinstance(row["prompt"], str))
+        for c in others:
+            table.columns[c].append(row[c])
+    if not table.prompt_ids:
+        raise ValueError(f"all {skipped} prompts are longer than max_prompt_length={config.max_prompt_length}; raise it")
+    return table, skipped
+
+
+def build_policy(config: TrainConfig, resume_dir: Path | None, device) -> tuple[torch.nn.Module, PrefixSharingLM | None, torch.optim.Optimizer, object]:
+    """The policy (from the checkpoint when resuming), the frozen reference model when beta > 0
+    (from the starting weights), AdamW and the learning-rate schedule."""
+    model = AutoModelForCausalLM.from_pretrained(resume_dir or config.model_name_or_path)
+    ref_model = None
+    if config.beta != 0.0:
+        ref = AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(device)
+        ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        weight_decay=config.weight_decay,
+    )
+    # Stepped by hand once per optimizer step: accelerate's prepared scheduler would step once per process.
+    scheduler = get_scheduler(
+        config.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=math.ceil(config.warmup_ratio * config.max_steps),
+        num_training_steps=config.max_steps,
+    )
+    return model, ref_model, optimizer, scheduler
