@@ -1,6 +1,7 @@
 """The rollout server as a real process on a loopback port, and the trainer against it."""
 
 import json
+import os
 import threading
 import time
 
@@ -45,6 +46,7 @@ def test_health_info_and_openapi(server):
     assert health["status"] == "ready" and health["version"] == 0 and len(health["instance_id"]) == 32
     info = call(server, "GET", "/info").json()
     assert info["engine"] == "TransformersEngine" and info["vocab_size"] == 259
+    assert info["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)  # on CPU, half the cores by default
     assert "/generate" in call(server, "GET", "/openapi.json").json()["paths"]
     assert call(server, "GET", "/openapi.json", key=None).status_code == 401  # only /health answers without the key
 
@@ -261,3 +263,19 @@ def test_safetensors_stream_and_parse_agree_with_the_library():
     for bad in (b"", b"\x00" * 4, (10**9).to_bytes(8, "little") + b"{}", (2).to_bytes(8, "little") + b"[]"):
         with pytest.raises(ValueError):
             parse_safetensors(bytearray(bad))
+
+
+def test_a_trainer_leaves_a_same_host_servers_cores_free(monkeypatch):
+    from tandem.rollout.weights import host_id
+    from tandem.trainer.setup import trainer_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    here = {"host_id": host_id(), "device": "cpu", "threads": 1}
+    threads, line = trainer_threads([here], local_processes=1)
+    assert threads == max(1, cores - 1) and f"use 1 of its {cores} cores" in line
+    assert trainer_threads([{**here, "threads": 64}], 1)[0] == 1  # never below one thread
+    assert trainer_threads([{**here, "host_id": "elsewhere"}], 1) is None  # another host: nothing shared
+    assert trainer_threads([{**here, "device": "cuda"}], 1) is None  # a GPU server computes elsewhere
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert trainer_threads([here], 1) is None  # the user's own choice stands

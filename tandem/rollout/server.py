@@ -7,9 +7,11 @@ import ipaddress
 import json
 import logging
 import mmap
+import os
 import sys
 import threading
 
+import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -151,6 +153,7 @@ def build_app(
             max_request_bytes=max_request_bytes,
             max_weight_chunk_bytes=max_chunk_bytes,
             host_id=host_id(),
+            threads=torch.get_num_threads(),
             stats=dict(service.stats),
         )
 
@@ -287,7 +290,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-weight-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES, help="largest weight chunk body")
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, help="seconds a request body may pause between pieces before the request is dropped (408)")
     p.add_argument("--max-version-waiters", type=int, default=256, help="most /generate requests that may wait for a min_version at once; more get 503")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads. 0: on --device cpu, half of this host's cores (a trainer on the same host takes the rest); on a GPU, torch's default")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -300,10 +303,10 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    # Two processes that each start a thread per core fight over the cores and run several times
+    # slower than either alone: on CPU the server takes half and reports it in /info, and a
+    # trainer on the same host sizes itself to the rest.
+    torch.set_num_threads(args.threads or (max(1, len(os.sched_getaffinity(0)) // 2) if args.device == "cpu" else torch.get_num_threads()))
     service = RolloutService(max_batch_tokens=args.max_batch_tokens, max_version_waiters=args.max_version_waiters)
     app = build_app(service, args.model, args.api_key, args.max_request_bytes, args.max_weight_chunk_bytes, args.dtype, args.device, args.body_timeout)
 

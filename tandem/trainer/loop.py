@@ -10,6 +10,7 @@
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
 from tandem.trainer.producer import AsyncProducer, Round, SyncProducer, completion_seed
-from tandem.trainer.setup import build_policy, load_prompts
+from tandem.trainer.setup import build_policy, load_prompts, trainer_threads
 
 
 def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -156,6 +157,11 @@ class Trainer:
         )
         engine = RemoteEngine(self.client)
         infos = self.server_infos = self.client.wait_until_ready()
+        sharing = trainer_threads(infos, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        if sharing is not None and cfg.async_generate:  # in sync mode the two take turns
+            torch.set_num_threads(sharing[0])
+            if self.is_main:
+                print(f"tandem: {sharing[1]}", flush=True)
         for url, info in zip(cfg.rollout_server_urls, infos):
             if info["vocab_size"] < len(self.tokenizer):
                 raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {len(self.tokenizer)}")

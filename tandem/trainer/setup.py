@@ -2,12 +2,14 @@
 and the reference model. Plain objects out; the loop decides what to do with them."""
 
 import math
+import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from tandem.data import encode_prompt, load_prompt_dataset
+from tandem.rollout.weights import host_id
 from tandem.trainer.batch import PrefixSharingLM
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.producer import PromptTable
@@ -56,3 +58,19 @@ def build_policy(config: TrainConfig, resume_dir: Path | None, device) -> tuple[
         num_training_steps=config.max_steps,
     )
     return model, ref_model, optimizer, scheduler
+
+
+def trainer_threads(server_infos: list[dict], local_processes: int) -> tuple[int, str] | None:
+    """Torch threads for each training process when rollout servers compute on this host's CPU:
+    the cores they leave (each reports its threads in /info), split between this host's
+    training processes; and a line saying so. None when no server computes on this host's CPU,
+    on a GPU, or when OMP_NUM_THREADS already says what the user wants."""
+    if "OMP_NUM_THREADS" in os.environ or torch.cuda.is_available():
+        return None
+    here = [info for info in server_infos if info["host_id"] == host_id() and info["device"] == "cpu"]
+    if not here:
+        return None
+    cores = len(os.sched_getaffinity(0))
+    taken = sum(info["threads"] for info in here)
+    threads = max(1, (cores - taken) // max(1, local_processes))
+    return threads, f"rollout servers on this host use {taken} of its {cores} cores; training uses {threads} thread(s) per process (OMP_NUM_THREADS overrides)"
