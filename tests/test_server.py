@@ -12,7 +12,7 @@ from safetensors.torch import save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import Server, free_port, run_cli
-from tandem.rollout.client import RolloutClient
+from tandem.rollout.client import RolloutClient, RolloutServerError
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
 from tandem.rollout.weights import fingerprint
@@ -279,3 +279,37 @@ def test_a_trainer_leaves_a_same_host_servers_cores_free(monkeypatch):
     assert trainer_threads([{**here, "device": "cuda"}], 1) is None  # a GPU server computes elsewhere
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert trainer_threads([here], 1) is None  # the user's own choice stands
+
+
+def test_an_answer_cut_off_midway_is_retried_then_reported_naming_the_server():
+    # A fake at the network boundary: a "server" that sends headers and half a chunked body,
+    # then closes, as a rollout server killed while answering does.
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    answered = []
+
+    def serve():
+        listener.settimeout(10)
+        try:
+            while True:
+                conn, _ = listener.accept()
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n9\r\n{\"comple")
+                conn.close()
+                answered.append(1)
+        except OSError:
+            return
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = RolloutClient([url], server_timeout=1.0)
+    try:
+        with pytest.raises(RolloutServerError, match=f"rollout server {url} did not answer.*ChunkedEncodingError"):
+            client.generate([PROMPT], SamplingParams(max_tokens=3), [7])
+    finally:
+        client.close()
+        listener.close()
+    assert len(answered) >= 2  # retried, not raised at the first cut

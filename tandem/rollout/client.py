@@ -96,7 +96,8 @@ class RolloutClient:
                 if r.status_code not in RETRY_STATUS:
                     raise RolloutServerError(f"rollout server {url} refused {what} ({method} {path}): HTTP {r.status_code}: {message}")
                 last = f"HTTP {r.status_code}: {message}"
-            except (requests.ConnectionError, requests.Timeout) as exc:
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as exc:
+                # ChunkedEncodingError: the answer was cut off (the server died while sending it)
                 last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() + delay > deadline:
                 raise RolloutServerError(
