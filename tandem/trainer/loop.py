@@ -88,6 +88,7 @@ class Trainer:
 
         # Cheap checks first: reward functions and the dataset fail before the model loads.
         self.reward_fns = rewards_lib.load_rewards(config.reward_funcs, config.reward_weights)
+        self.reward_names = [fn.name for fn in self.reward_fns]
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -345,8 +346,7 @@ class Trainer:
         }
         record = self._reduce_across_ranks(record)
         record.setdefault("kl", None)  # no reference model when beta = 0
-        names = [fn.name for fn in self.reward_fns]
-        record.update(round_metrics(rnd, names, scores.table, scores.rewards, scores.stats, scores.lengths, scores.truncated, round_seconds, first))
+        record.update(round_metrics(rnd, self.reward_names, scores.table, scores.rewards, scores.stats, scores.lengths, scores.truncated, round_seconds, first))
         record["prompts_skipped"] = self.skipped_prompts
         return record
 
@@ -469,11 +469,10 @@ class Trainer:
         """Completion tokens in each optimizer step of the round, summed over ranks (for dapo)."""
         cfg = self.config
         steps = cfg.steps_per_generation // cfg.gradient_accumulation_steps
-        per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         counts = torch.zeros((cfg.num_iterations, steps))
         for it, order in enumerate(orders):
             for s in range(steps):
-                idx = order[s * per_step : (s + 1) * per_step]
+                idx = [i for batch in self._micro_batches(order, s) for i in batch]  # the step's sequences, as trained
                 keep = [r for r in (rollouts[i] for i in idx) if not (cfg.mask_truncated_completions and r.truncated)]
                 counts[it, s] = sum(len(r.completion_ids) for r in keep)
         if self.world > 1:
@@ -507,8 +506,7 @@ class Trainer:
 
     def _log_completions(self, rnd, all_rewards, advantages_all) -> None:
         if self.is_main and self.config.num_completions_to_log:
-            names = [fn.name for fn in self.reward_fns]
-            for line in completion_records(rnd, self.tokenizer, names, all_rewards, advantages_all, self.global_step, self.config.num_completions_to_log):
+            for line in completion_records(rnd, self.tokenizer, self.reward_names, all_rewards, advantages_all, self.global_step, self.config.num_completions_to_log):
                 self.completions_log.write(line)
 
     def save(self) -> Path | None:
