@@ -30,7 +30,7 @@ def _rollout(args: argparse.Namespace) -> int:
 def _init_model(args: argparse.Namespace) -> int:
     from tandem.init_model import init_model
 
-    model, _ = init_model(args.out, size=args.size, seed=args.seed)
+    model, _ = init_model(args.out, size=args.size, seed=args.seed, head_dim=args.head_dim)
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote a {args.size} Qwen2 model ({n / 1e6:.2f}M parameters) with tokenizer and chat template to {args.out}")
     return 0
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="folder to write the model to (HF format, loads with AutoModelForCausalLM)")
     p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"], help="tiny ~0.1M, small ~3M, medium ~25M parameters")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init")
+    p.add_argument("--head-dim", type=int, default=0, help="attention head size (0: the size's own: 16, 32, 64); vLLM's CPU attention needs 64 or more")
     p.set_defaults(run=_init_model)
 
     p = sub.add_parser("demo", help="learn single-digit addition by RL on a tiny model (2 CPU cores, a few minutes, no network)")

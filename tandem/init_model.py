@@ -67,10 +67,15 @@ def _byte_to_unicode() -> dict[int, str]:
 _BYTE_OF = {ch: b for b, ch in _byte_to_unicode().items()}
 
 
-def build_model(size: str, vocab_size: int, seed: int, eos_token_id: int, pad_token_id: int) -> Qwen2ForCausalLM:
+def build_model(size: str, vocab_size: int, seed: int, eos_token_id: int, pad_token_id: int, head_dim: int = 0) -> Qwen2ForCausalLM:
     if size not in SIZES:
         raise ValueError(f"unknown --size {size!r}; choose one of {', '.join(SIZES)}")
     hidden, inter, layers, heads, kv = SIZES[size]
+    if head_dim:  # fewer, wider heads at the same width (vLLM's CPU attention needs head_dim >= 64)
+        if hidden % head_dim:
+            raise ValueError(f"--head-dim {head_dim} must divide the {size} model's hidden size {hidden}")
+        heads = hidden // head_dim
+        kv = max(1, heads // 2)
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -125,9 +130,9 @@ def warmup_sft(
     return losses
 
 
-def init_model(out: str | Path, size: str = "tiny", seed: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+def init_model(out: str | Path, size: str = "tiny", seed: int = 0, head_dim: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
     tokenizer = build_tokenizer()
-    model = build_model(size, len(tokenizer), seed, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    model = build_model(size, len(tokenizer), seed, tokenizer.eos_token_id, tokenizer.pad_token_id, head_dim)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     save(model, tokenizer, out)

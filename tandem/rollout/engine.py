@@ -7,13 +7,13 @@ import torch
 from tandem.algo import token_logprobs
 from tandem.rollout.sampling import apply_repetition_penalty, filter_logits, sample
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import check_weights
+from tandem.rollout.weights import check_weights, fingerprint
 
 
-def eos_token_ids(tokenizer, lm, where: str) -> list[int]:
+def eos_token_ids(tokenizer, generation_config, where: str) -> list[int]:
     """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
     ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(lm.generation_config, "eos_token_id", None)
+    gen_eos = getattr(generation_config, "eos_token_id", None)
     ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
     ids.discard(None)
     if not ids:
@@ -25,19 +25,49 @@ class Engine(Protocol):
     """What the producer and the rollout server need from an engine."""
 
     version: int  # number of weight updates received
+    # How many generate() calls may run at once. 1: the engine batches a call's sequences itself,
+    # so the server merges waiting requests into one call. More: the engine batches continuously
+    # across calls (vLLM), so each request goes in as it arrives.
+    max_concurrency: int
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
         """One completion per prompt; prompt i is sampled with its own seed seeds[i], with weights
         of policy version >= min_version."""
         ...
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights a trainer pushes, by name."""
+    def weight_spec(self) -> dict[str, torch.Tensor]:
+        """The weights a trainer pushes, by name: tensors (possibly on the meta device) that give
+        each one's shape and the dtype the engine holds it in."""
         ...
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Replace every weight; checks all names and shapes before changing anything."""
+        """Replace every weight; checks all names and shapes before changing anything. Never
+        called while a generate() call runs."""
         ...
+
+    def fingerprint(self) -> str:
+        """weights.fingerprint of the weights last loaded, as received, in the engine's dtype."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds beyond this process's memory (processes, devices)."""
+        ...
+
+
+def check_request(engine: Engine, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int) -> None:
+    """The checks every engine makes before generating."""
+    if engine.version < min_version:
+        raise RuntimeError(f"the engine holds version {engine.version}, the request needs >= {min_version}")
+    params.validate()
+    if len(prompts) != len(seeds):
+        raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+
+
+def seed_bits(seed: int) -> int:
+    """A completion's seed as the engines' generators take it (48 bits, the same on every engine)."""
+    return int(seed) & 0xFFFF_FFFF_FFFF
 
 
 class TransformersEngine:
@@ -49,6 +79,8 @@ class TransformersEngine:
     the quantity the trainer recomputes: top-k, top-p, min-p and the repetition penalty choose
     which tokens may be drawn, they do not change the recorded log-probs.
     """
+
+    max_concurrency = 1
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int, version: int = 0):
         if not eos_token_ids:
@@ -62,8 +94,16 @@ class TransformersEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.model.named_parameters())
+    def weight_spec(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+    def fingerprint(self) -> str:
+        # Loading adopts the received tensors (or casts them into the weights), so the live
+        # weights are the received ones in the engine's dtype.
+        return fingerprint(self.model.named_parameters())
+
+    def close(self) -> None:
+        pass  # the model is the caller's (the colocated trainer's) or the process's
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -81,15 +121,9 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
-        if self.version < min_version:
-            raise RuntimeError(f"the engine holds version {self.version}, the request needs >= {min_version}")
-        params.validate()
-        if len(prompts) != len(seeds):
-            raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
+        check_request(self, prompts, params, seeds, min_version)
         if not prompts:
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
         was_training = self.model.training
         self.model.eval()
         try:
@@ -107,7 +141,7 @@ class TransformersEngine:
             attention[i, width - len(p) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (N, P)
-        generators = [torch.Generator().manual_seed(int(s) & 0xFFFF_FFFF_FFFF) for s in seeds]
+        generators = [torch.Generator().manual_seed(seed_bits(s)) for s in seeds]
         vocab = self.model.get_output_embeddings().weight.shape[0]
         seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)  # (N, V) for the repetition penalty
         if params.repetition_penalty != 1.0:

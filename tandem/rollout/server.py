@@ -261,20 +261,52 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def load_engine(model: str, device: str, dtype: str):
-    """A TransformersEngine on `model`, as the trainer would load it."""
-    import torch
+def load_transformers_engine(args: argparse.Namespace):
+    """A TransformersEngine on --model, as the trainer would load it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tandem.rollout.engine import TransformersEngine, eos_token_ids
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    lm = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = TransformersEngine(lm, eos_token_ids(tokenizer, lm, model), pad)
+    engine = TransformersEngine(lm, eos_token_ids(tokenizer, lm.generation_config, args.model), pad)
     vocab = lm.get_output_embeddings().weight.shape[0]
     return engine, vocab, int(getattr(lm.config, "max_position_embeddings", 4096))
+
+
+def load_vllm_engine(args: argparse.Namespace):
+    """A VLLMEngine on --model, with vLLM's own options."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tandem.rollout.engine import eos_token_ids
+    from tandem.rollout.vllm_engine import VLLMEngine
+
+    folder = args.model
+    if not os.path.isdir(folder):  # a hub name: one download, shared with vLLM
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(args.model)
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        generation = None
+    eos = eos_token_ids(AutoTokenizer.from_pretrained(folder), generation, args.model)
+    options = {
+        name: getattr(args, name)
+        for name in ("gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "enable_prefix_caching", "enforce_eager", "kv_cache_memory_bytes")
+        if getattr(args, name) is not None
+    }
+    if args.device == "cpu" and (args.tensor_parallel_size or 1) == 1:
+        # vLLM pins its CPU worker's threads to cores; give it the last of ours, as many as --threads
+        # gave torch here (a trainer on this host sizes itself to the others).
+        cores = sorted(os.sched_getaffinity(0))[-torch.get_num_threads() :]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+    engine = VLLMEngine(folder, eos, args.dtype, options)
+    return engine, engine.vocab_size, engine.max_model_len
+
+
+ENGINES = {"transformers": load_transformers_engine, "vllm": load_vllm_engine}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -291,6 +323,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, help="seconds a request body may pause between pieces before the request is dropped (408)")
     p.add_argument("--max-version-waiters", type=int, default=256, help="most /generate requests that may wait for a min_version at once; more get 503")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads. 0: on --device cpu, half of this host's cores (a trainer on the same host takes the rest); on a GPU, torch's default")
+    p.add_argument("--engine", default="transformers", choices=sorted(ENGINES), help="transformers: tandem's own decode loop (any causal LM, CPU or GPU). vllm: vLLM (pip install 'tandem-rl[vllm]'); the options below are vLLM's own")
+    v = p.add_argument_group("vLLM engine options (--engine vllm; unset: vLLM's defaults)")
+    v.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory vLLM may use for weights and KV cache")
+    v.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs to shard the model over")
+    v.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion; default: the model's")
+    v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="reuse the KV cache of shared prompt prefixes (cleared at every weight update)")
+    v.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs or torch.compile: starts faster, generates slower")
+    v.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="bytes of KV cache (on CPU the cache lives in host memory)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -312,7 +352,7 @@ def serve(args: argparse.Namespace) -> int:
 
     def load():
         try:
-            engine, vocab, max_len = load_engine(args.model, args.device, args.dtype)
+            engine, vocab, max_len = ENGINES[args.engine](args)
         except Exception as exc:  # noqa: BLE001 - reported, then the process exits non-zero
             print(f"tandem rollout: could not load {args.model}: {exc}", file=sys.stderr, flush=True)
             server.should_exit = True

@@ -7,14 +7,15 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from tandem.rollout.engine import Engine
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import check_weights, fingerprint, max_update_bytes
+from tandem.rollout.weights import check_weights, max_update_bytes
 
 
 class NotReady(RuntimeError):
@@ -59,12 +60,49 @@ class _Staged:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+class _Gate:
+    """Many holders of the shared side (engine calls) or one of the exclusive side (a weight
+    commit). A waiting commit keeps new calls out, so a stream of requests cannot starve it."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._shared = 0
+        self._exclusive_waiting = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self):
+        with self._cv:
+            self._cv.wait_for(lambda: not self._exclusive and not self._exclusive_waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._shared -= 1
+                self._cv.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cv:
+            self._exclusive_waiting += 1
+            self._cv.wait_for(lambda: not self._exclusive and not self._shared)
+            self._exclusive_waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._exclusive = False
+                self._cv.notify_all()
+
+
 class RolloutService:
-    """Owns one engine. A single worker thread runs every engine call; concurrent requests with the
-    same sampling parameters are merged into one call of at most max_batch_tokens (prompt plus
-    max_tokens per sequence), oldest first, so no client starves. Weight commits take the same
-    lock as engine calls: a commit waits for the generation in flight, and no completion mixes
-    two versions."""
+    """Owns one engine. A dispatcher thread hands requests to the engine, at most
+    engine.max_concurrency calls at a time: while those are busy, waiting requests with the same
+    sampling parameters are merged into one call of at most max_batch_tokens (prompt plus
+    max_tokens per sequence), oldest first, so no client starves. A weight commit waits for the
+    calls in flight and keeps new ones out until it is done, so no completion mixes two versions."""
 
     def __init__(self, max_batch_tokens: int = 65536, max_model_len: int = 4096, vocab_size: int = 0, max_version_waiters: int = 256):
         self.engine: Engine | None = None
@@ -74,9 +112,11 @@ class RolloutService:
         self._version_events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self._engine_lock = threading.Lock()  # one engine call or weight commit at a time
-        self._cv = threading.Condition()  # guards _pending, _staged, and signals version changes
+        self._gate = _Gate()  # engine calls share it, a weight commit holds it alone
+        self._cv = threading.Condition()  # guards _pending, _staged, _running, and signals version changes
         self._pending: deque[_Job] = deque()
+        self._running = 0  # engine calls in flight
+        self._calls: ThreadPoolExecutor | None = None
         self._staged: dict[str, _Staged] = {}
         self._stopped = False
         self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0}
@@ -88,6 +128,7 @@ class RolloutService:
 
     def set_engine(self, engine: Engine, vocab_size: int, max_model_len: int) -> None:
         with self._cv:
+            self._calls = ThreadPoolExecutor(engine.max_concurrency, thread_name_prefix="tandem-engine-call")
             self.engine, self.vocab_size, self.max_model_len = engine, vocab_size, max_model_len
             self._cv.notify_all()
 
@@ -109,6 +150,10 @@ class RolloutService:
             self._stopped = True
             self._cv.notify_all()
         self._worker.join(timeout=5)
+        if self._calls is not None:
+            self._calls.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
+            self.engine.close()
 
     # ------------------------------------------------------------------ generation
 
@@ -208,31 +253,41 @@ class RolloutService:
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: (self._pending and self.engine is not None) or self._stopped)
+                self._cv.wait_for(
+                    lambda: (self._pending and self.engine is not None and self._running < self.engine.max_concurrency) or self._stopped
+                )
                 if self._stopped:
                     for job in self._pending:
                         job.future.set_exception(RuntimeError("the rollout server is shutting down"))
                     return
                 batch = self._take_batch()
+                self._running += 1
                 self.stats["engine_calls"] += 1
                 self.stats["sequences"] += sum(len(job.prompts) for job in batch)
-            prompts = [p for job in batch for p in job.prompts]
-            seeds = [s for job in batch for s in job.seeds]
-            try:
-                with self._engine_lock:
-                    outs = self.engine.generate(prompts, batch[0].params, seeds)
-            except Exception as exc:  # noqa: BLE001 - handed to every waiting request, not swallowed
-                for job in batch:
-                    job.future.set_exception(exc)
-                continue
-            bad = next((i for i, c in enumerate(outs) if not all(math.isfinite(x) for x in c.logprobs)), None)
-            start = 0
+            self._calls.submit(self._call, batch)
+
+    def _call(self, batch: list[_Job]) -> None:
+        prompts = [p for job in batch for p in job.prompts]
+        seeds = [s for job in batch for s in job.seeds]
+        try:
+            with self._gate.shared():
+                outs = self.engine.generate(prompts, batch[0].params, seeds)
+        except Exception as exc:  # noqa: BLE001 - handed to every waiting request, not swallowed
             for job in batch:
-                if bad is not None:  # JSON has no NaN: a null log-prob would break every client's parser
-                    job.future.set_exception(EngineFailure(f"the engine produced a non-finite log-prob (sequence {bad} of its batch)"))
-                else:
-                    job.future.set_result(outs[start : start + len(job.prompts)])
-                start += len(job.prompts)
+                job.future.set_exception(exc)
+            return
+        finally:
+            with self._cv:
+                self._running -= 1
+                self._cv.notify_all()
+        bad = next((i for i, c in enumerate(outs) if not all(math.isfinite(x) for x in c.logprobs)), None)
+        start = 0
+        for job in batch:
+            if bad is not None:  # JSON has no NaN: a null log-prob would break every client's parser
+                job.future.set_exception(EngineFailure(f"the engine produced a non-finite log-prob (sequence {bad} of its batch)"))
+            else:
+                job.future.set_result(outs[start : start + len(job.prompts)])
+            start += len(job.prompts)
 
     # ------------------------------------------------------------------ weights
 
@@ -241,7 +296,7 @@ class RolloutService:
         if not force and version != engine.version + 1:
             raise VersionConflict(f"update to version {version} refused: the server is at {engine.version}, the next is {engine.version + 1}")
         update_id = uuid.uuid4().hex
-        capacity = max_update_bytes(dict(engine.named_weights()))
+        capacity = max_update_bytes(engine.weight_spec())
         with self._cv:
             self._staged = {update_id: _Staged(version, force, num_tensors, capacity)}  # an unfinished older update is dropped
         return update_id
@@ -267,7 +322,7 @@ class RolloutService:
     def stage(self, update_id: str, tensors: dict[str, torch.Tensor]) -> int:
         """Hold tensors of an update aside; nothing is live until commit. Returns tensors staged so far."""
         engine = self._need_engine()
-        check_weights(dict(engine.named_weights()), tensors, complete=False)  # early: a bad chunk fails as it arrives
+        check_weights(engine.weight_spec(), tensors, complete=False)  # early: a bad chunk fails as it arrives
         with self._cv:
             staged = self._staged.get(update_id)
             if staged is None:
@@ -283,7 +338,7 @@ class RolloutService:
                 raise UnknownUpdate(f"no weight update {update_id!r} in progress")
             if len(staged.tensors) != staged.num_tensors:
                 raise ValueError(f"update {update_id} has {len(staged.tensors)} of {staged.num_tensors} tensors; send the rest before commit")
-        with self._engine_lock:  # waits for the generation in flight
+        with self._gate.exclusive():  # waits for the generation in flight
             if not staged.force and staged.version != engine.version + 1:
                 raise VersionConflict(f"update to version {staged.version} refused at commit: the server is now at {engine.version}")
             engine.load_weights(staged.tensors)
@@ -295,5 +350,5 @@ class RolloutService:
 
     def fingerprint(self) -> tuple[int, str]:
         engine = self._need_engine()
-        with self._engine_lock:
-            return engine.version, fingerprint(engine.named_weights())
+        with self._gate.shared():  # not during a commit
+            return engine.version, engine.fingerprint()

@@ -113,7 +113,7 @@ class Trainer:
         if config.rollout_mode == "server":
             self.engine = self._connect()
         else:
-            eos_ids = eos_token_ids(self.tokenizer, model, config.model_name_or_path)
+            eos_ids = eos_token_ids(self.tokenizer, model.generation_config, config.model_name_or_path)
             self.engine = TransformersEngine(self._lm(), eos_ids, self.tokenizer.pad_token_id, self.version)
         G = config.num_generations
         self.sampler = GroupSampler(

@@ -1,0 +1,170 @@
+"""The vLLM engine: vLLM's AsyncLLM behind the Engine protocol (`tandem rollout --engine vllm`).
+
+vLLM runs in its own processes (an engine core and its workers); this object lives in the rollout
+server and talks to it on an asyncio loop of its own thread. Token ids go in and out (vLLM loads
+no tokenizer), one vLLM request per completion with that completion's seed, so vLLM's scheduler
+batches every client's sequences continuously and a sequence's tokens do not depend on the batch.
+"""
+
+import asyncio
+import json
+import os
+import threading
+import uuid
+from pathlib import Path
+
+import torch
+
+from tandem.rollout.engine import check_request, seed_bits
+from tandem.rollout.types import Completion, SamplingParams
+from tandem.rollout.weights import check_weights, fingerprint, safetensors_stream, sealed_memfd
+
+START_TIMEOUT = 1800.0  # seconds: a large model's first start on a GPU compiles and profiles for minutes
+
+
+class VLLMEngine:
+    # vLLM batches requests from every call together as they arrive; this bounds the threads
+    # that wait on it, not its batch (its own --max-num-seqs does that).
+    max_concurrency = 64
+
+    def __init__(self, model_dir: str, eos_token_ids: list[int], dtype: str, options: dict):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        if not eos_token_ids:
+            raise ValueError("the engine needs at least one EOS token id to know when a completion stops")
+        self.version = 0
+        self.eos_token_ids = list(eos_token_ids)
+        self.model_dir = model_dir
+        self.dtype = getattr(torch, dtype)
+        self._spec = checkpoint_spec(model_dir, self.dtype)
+        self._fingerprint: str | None = None  # of the checkpoint, computed when first asked
+        args = AsyncEngineArgs(
+            model=model_dir,
+            dtype=dtype,
+            skip_tokenizer_init=True,
+            # log softmax(logits / temperature) of the sampled token, the quantity the trainer
+            # recomputes (with top-k, top-p, min-p or penalties, of the distribution they leave)
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="tandem.rollout.vllm_worker.WeightLoader",
+            **options,
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-vllm-loop", daemon=True)
+        self._thread.start()
+        self.llm = self._wait(self._start(args), START_TIMEOUT, "vLLM to start")
+        self.max_model_len = int(self.llm.model_config.max_model_len)
+        self.vocab_size = int(self.llm.model_config.get_vocab_size())
+
+    async def _start(self, args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(args)
+
+    def _wait(self, coro, timeout: float | None, what: str):
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise RuntimeError(f"gave up after {timeout:g}s waiting for {what}") from None
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
+        check_request(self, prompts, params, seeds, min_version)
+        return self._wait(self._generate(prompts, params, seeds), None, "vLLM to generate")
+
+    async def _generate(self, prompts, params: SamplingParams, seeds) -> list[Completion]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        version = self.version  # load_weights never runs while a generate() call does
+        common = dict(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            stop_token_ids=self.eos_token_ids,
+            logprobs=0,  # the sampled token's only
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+        async def one(prompt: list[int], seed: int) -> Completion:
+            sampling = VLLMSamplingParams(seed=seed_bits(seed), **common)
+            final = None
+            async for final in self.llm.generate({"prompt_token_ids": prompt}, sampling, request_id=uuid.uuid4().hex):
+                pass
+            out = final.outputs[0]
+            tokens = list(out.token_ids)
+            logprobs = [step[tok].logprob for step, tok in zip(out.logprobs, tokens)]
+            finish = out.finish_reason if out.finish_reason in ("stop", "length") else "error"
+            return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=finish, version=version)
+
+        return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds))))
+
+    # ------------------------------------------------------------------ weights
+
+    def weight_spec(self) -> dict[str, torch.Tensor]:
+        return self._spec
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        check_weights(self._spec, weights, complete=True)
+        # vLLM's workers are other processes: they map a sealed memfd of ours by its /proc path
+        # (passing tensors through collective_rpc would pickle them into lists).
+        fd = sealed_memfd(safetensors_stream(weights)[1])
+        try:
+            self._wait(self._reload(f"/proc/{os.getpid()}/fd/{fd}"), None, "vLLM to load the weights")
+        finally:
+            os.close(fd)
+        self._fingerprint = fingerprint((name, t.to(self.dtype)) for name, t in weights.items())
+
+    async def _reload(self, path: str) -> None:
+        # "wait" lets requests in flight finish (the server's gate has drained them already) and
+        # clears the prefix cache, whose keys and values the old weights computed.
+        await self.llm.pause_generation(mode="wait", clear_cache=True)
+        try:
+            await self.llm.collective_rpc("tandem_load_weights", args=(path,))
+        finally:
+            await self.llm.resume_generation()
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(_checkpoint_tensors(self.model_dir, self.dtype))
+        return self._fingerprint
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def _safetensors_files(model_dir: str) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no *.safetensors files; the vLLM engine loads and updates weights in that format")
+    return files
+
+
+def checkpoint_spec(model_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Meta tensors with the name and shape of every tensor in the checkpoint's safetensors files,
+    read from their headers: the names a trainer pushes (the model's HF names, unfused)."""
+    spec = {}
+    for path in _safetensors_files(model_dir):
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                spec[name] = torch.empty(entry["shape"], dtype=dtype, device="meta")
+    return spec
+
+
+def _checkpoint_tensors(model_dir: str, dtype: torch.dtype):
+    from safetensors import safe_open
+
+    for path in _safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
