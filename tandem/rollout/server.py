@@ -10,6 +10,7 @@ import mmap
 import os
 import sys
 import threading
+from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI, HTTPException, Request
@@ -111,7 +112,14 @@ def build_app(
     device: str = "cpu",
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> FastAPI:
-    app = FastAPI(title="tandem rollout server", version="1")
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        # Here, not after uvicorn's run(): on SIGTERM uvicorn re-raises the signal once it has
+        # stopped, which ends the process before code after run() could release the engine.
+        await run_in_threadpool(service.stop)
+
+    app = FastAPI(title="tandem rollout server", version="1", lifespan=lifespan)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, max_chunk_bytes=max_chunk_bytes, body_timeout=body_timeout)
 
     errors = {NotReady: 503, Busy: 503, VersionConflict: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400, EngineFailure: 500}

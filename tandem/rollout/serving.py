@@ -147,6 +147,8 @@ class RolloutService:
 
     def stop(self) -> None:
         with self._cv:
+            if self._stopped:
+                return
             self._stopped = True
             self._cv.notify_all()
         self._worker.join(timeout=5)

@@ -17,6 +17,7 @@ import torch
 
 from tandem.rollout.engine import check_request, seed_bits
 from tandem.rollout.types import Completion, SamplingParams
+from tandem.rollout.vllm_worker import SERVER_PID
 from tandem.rollout.weights import check_weights, fingerprint, safetensors_stream, sealed_memfd
 
 START_TIMEOUT = 1800.0  # seconds: a large model's first start on a GPU compiles and profiles for minutes
@@ -48,6 +49,7 @@ class VLLMEngine:
             worker_extension_cls="tandem.rollout.vllm_worker.WeightLoader",
             **options,
         )
+        os.environ[SERVER_PID] = str(os.getpid())  # vLLM's processes die with this one (vllm_worker)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-vllm-loop", daemon=True)
         self._thread.start()
