@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import socket
 import subprocess
@@ -30,6 +31,23 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# Marks a test that needs vLLM: skipped where it is not installed (./setup.sh --vllm installs it).
+needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (./setup.sh --vllm)")]
+# What a vLLM server needs on this machine: no torch.compile (it would take minutes to start) and
+# a small KV cache (on CPU it lives in host memory).
+VLLM_SERVER = ("--engine", "vllm", "--enforce-eager", "--kv-cache-memory-bytes", str(64 * 2**20))
+
+
+@pytest.fixture(scope="session")
+def model64(tmp_path_factory) -> Path:
+    """The tiny model with one attention head of 64 (vLLM's CPU attention needs head_dim >= 64)."""
+    out = tmp_path_factory.mktemp("model") / "tiny64"
+    proc = run_cli("init-model", out, "--size", "tiny", "--head-dim", "64")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,7 +57,7 @@ def free_port() -> int:
 class Server:
     """`tandem rollout` in its own process."""
 
-    def __init__(self, model, *extra, port: int | None = None):
+    def __init__(self, model, *extra, port: int | None = None, ready_timeout: float = 60):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads (a full pipe blocks)
@@ -47,7 +65,7 @@ class Server:
             [sys.executable, "-m", "tandem.cli", "rollout", "--model", str(model), "--port", str(self.port), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + (ready_timeout if "vllm" not in extra else max(ready_timeout, 300))  # vLLM starts in 20-60 s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
@@ -58,13 +76,18 @@ class Server:
             except requests.ConnectionError:
                 pass
             time.sleep(0.2)
+        self.stop()
         raise TimeoutError("server did not become ready")
 
     def stop(self):
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=30)
         self.log.close()
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def kill(self):
         self.proc.kill()
