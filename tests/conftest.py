@@ -34,9 +34,8 @@ def tiny_model(tmp_path_factory) -> Path:
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 # Marks a test that needs vLLM: skipped where it is not installed (./setup.sh --vllm installs it).
 needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (./setup.sh --vllm)")]
-# What a vLLM server needs on this machine: no torch.compile (it would take minutes to start) and
-# a small KV cache (on CPU it lives in host memory).
-VLLM_SERVER = ("--engine", "vllm", "--enforce-eager", "--kv-cache-memory-bytes", str(64 * 2**20))
+# The tests' vLLM server: eager, without torch.compile and its warm-up, to start in seconds.
+VLLM_SERVER = ("--engine", "vllm", "--enforce-eager")
 
 
 @pytest.fixture(scope="session")

@@ -305,6 +305,15 @@ def load_vllm_engine(args: argparse.Namespace):
         for name in ("gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "enable_prefix_caching", "enforce_eager", "kv_cache_memory_bytes")
         if getattr(args, name) is not None
     }
+    if args.device == "cpu":
+        # A prompt prefilled in chunks makes vLLM 0.32 rewind the request's seeded generator,
+        # which CPU generators cannot do ("CPU Generator does not use offset"): the engine core
+        # dies at the first large batch. Whole prompts per step avoid the rewind.
+        options["enable_chunked_prefill"] = False
+    if args.device == "cpu" and args.kv_cache_memory_bytes is None and args.gpu_memory_utilization is None:
+        # vLLM's default claims 92% of the host's memory for the KV cache, and fails to start when
+        # a trainer or anything else holds more than 8%. Size it for --max-batch-tokens instead.
+        options["kv_cache_memory_bytes"] = kv_cache_bytes(folder, args.dtype, max(args.max_batch_tokens, args.max_model_len or 0))
     if args.device == "cpu" and (args.tensor_parallel_size or 1) == 1:
         # vLLM pins its CPU worker's threads to cores; give it the last of ours, as many as --threads
         # gave torch here (a trainer on this host sizes itself to the others).
@@ -312,6 +321,18 @@ def load_vllm_engine(args: argparse.Namespace):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     engine = VLLMEngine(folder, eos, args.dtype, options)
     return engine, engine.vocab_size, engine.max_model_len
+
+
+def kv_cache_bytes(folder: str, dtype: str, tokens: int) -> int:
+    """Bytes of keys and values that `tokens` tokens take in the model at `folder`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder).get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return per_token * tokens
 
 
 ENGINES = {"transformers": load_transformers_engine, "vllm": load_vllm_engine}
@@ -338,7 +359,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion; default: the model's")
     v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="reuse the KV cache of shared prompt prefixes (cleared at every weight update)")
     v.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs or torch.compile: starts faster, generates slower")
-    v.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="bytes of KV cache (on CPU the cache lives in host memory)")
+    v.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="bytes of KV cache. On --device cpu, where it lives in host memory, the default is what --max-batch-tokens tokens need")
 
 
 def serve(args: argparse.Namespace) -> int:

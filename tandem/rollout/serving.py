@@ -275,6 +275,8 @@ class RolloutService:
             with self._gate.shared():
                 outs = self.engine.generate(prompts, batch[0].params, seeds)
         except Exception as exc:  # noqa: BLE001 - handed to every waiting request, not swallowed
+            if not isinstance(exc, (ValueError, EngineFailure)):  # not the request's fault: a 500 that says what broke
+                exc = EngineFailure(f"the engine failed: {type(exc).__name__}: {exc}")
             for job in batch:
                 job.future.set_exception(exc)
             return

@@ -9,6 +9,8 @@ batches every client's sequences continuously and a sequence's tokens do not dep
 import asyncio
 import json
 import os
+import signal
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -63,12 +65,20 @@ class VLLMEngine:
         return AsyncLLM.from_engine_args(args)
 
     def _wait(self, coro, timeout: float | None, what: str):
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
         except TimeoutError:
             future.cancel()
             raise RuntimeError(f"gave up after {timeout:g}s waiting for {what}") from None
+        except EngineDeadError:
+            # vLLM cannot recover its engine core. Stop the server (a clean shutdown) so that a
+            # supervisor restarts it; the trainer then resyncs the new process.
+            print("tandem rollout: vLLM's engine core died (its log above says why); stopping the server", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise
 
     # ------------------------------------------------------------------ generation
 
