@@ -80,6 +80,13 @@ def train(procs, args, timeout=300, launcher="torchrun"):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def weight_gap(a_dir, b_dir, step: int) -> float:
+    """The largest difference between two runs' weights at checkpoint `step`."""
+    a = load_file(a_dir / f"checkpoint-{step}" / "model.safetensors")
+    b = load_file(b_dir / f"checkpoint-{step}" / "model.safetensors")
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 def read(out):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     completions = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
@@ -105,11 +112,9 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
     assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
     # The first 16 completions of each round are rank 0's in both runs.
     assert [c["completion"] for c in one_c if c["round"] == 1][:16] == [c["completion"] for c in two_c if c["round"] == 1][:16]
-    a = load_file(tmp_path / "one" / "checkpoint-4" / "model.safetensors")
-    b = load_file(tmp_path / "two" / "checkpoint-4" / "model.safetensors")
     # Gradients are summed in a different order (two halves all-reduced vs one batch): 4 Adam
     # steps at lr 1e-2 leave differences of a few 1e-6 (measured 4e-6 to 2e-5).
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    worst = weight_gap(tmp_path / "one", tmp_path / "two", 4)
     assert worst < 1e-4, worst
 
 
@@ -125,9 +130,7 @@ def test_two_processes_equal_one_with_accumulation_and_several_iterations(tiny_m
     assert [m["round"] for m in one] == [0, 0, 1, 1]
     assert [m["reward"] for m in one] == [m["reward"] for m in two]
     assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
-    a = load_file(tmp_path / "one" / "checkpoint-4" / "model.safetensors")
-    b = load_file(tmp_path / "two" / "checkpoint-4" / "model.safetensors")
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    worst = weight_gap(tmp_path / "one", tmp_path / "two", 4)
     assert worst < 1e-4, worst
 
 

@@ -58,6 +58,26 @@ def test_stops_at_eos_or_length(engine):
     assert {o.finish_reason for o in outs} == {"stop", "length"}, "the seeds should give both endings"
 
 
+def test_finished_sequences_leave_the_batch_and_the_rest_are_unchanged(engine):
+    # A third of the vocabulary ends a completion, so sequences stop at many different steps.
+    base, tok = engine
+    eng = TransformersEngine(base.model, list(range(3, 90)), tok.pad_token_id)
+    rows = []  # batch size of every decode step (a forward on one token per row)
+    hook = eng.model.register_forward_hook(lambda module, args, kw, out: rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] == 1 else None, with_kwargs=True)
+    try:
+        params = SamplingParams(max_tokens=12, repetition_penalty=1.3)
+        outs = eng.generate([PROMPTS[0]] * 16, params, list(range(16)))
+    finally:
+        hook.remove()
+    stopped = sorted(len(o.token_ids) for o in outs if o.finish_reason == "stop")
+    assert len(stopped) >= 8 and stopped[0] < stopped[-1], stopped
+    assert min(rows) < 16 and rows == sorted(rows, reverse=True), rows  # the batch shrank as they stopped
+    for i, o in enumerate(outs):  # each sequence as if it had run alone
+        alone = eng.generate([PROMPTS[0]], params, [i])[0]
+        assert o.token_ids == alone.token_ids and o.finish_reason == alone.finish_reason
+        assert o.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+
+
 def test_greedy_matches_argmax_of_a_plain_forward(engine):
     eng, _ = engine
     out = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=4, top_k=1), [0])[0]

@@ -16,9 +16,8 @@ from tandem.rollout.client import RolloutClient
 from tandem.rollout.types import Rollout, SamplingParams
 from tandem.rollout.weights import fingerprint
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
+from test_server import KEY, PROMPT, call, gen_body
 
-KEY = "test-key"
-PROMPT = [1, 120, 118, 104, 117, 13, 54, 46, 55]
 PROMPTS = [PROMPT, [5, 6, 7], [1, 100, 101, 102, 103]]
 ENGINES = {"transformers": (), "vllm": VLLM_SERVER}
 LIMITS = ("--api-key", KEY, "--max-request-bytes", "200000", "--max-batch-tokens", "4096")
@@ -34,21 +33,6 @@ def served(request, model64):
 
 def client_of(server, **kw) -> RolloutClient:
     return RolloutClient([server.url], api_key=KEY, server_timeout=240, **kw)
-
-
-def call(server, method, path, key=KEY, **kw):
-    import requests
-
-    headers = kw.pop("headers", {})
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    return requests.request(method, server.url + path, headers=headers, timeout=60, **kw)
-
-
-def gen_body(**over):
-    body = {"prompts": [PROMPT], "n": 2, "sampling": {"max_tokens": 5}, "seeds": [1, 2]}
-    body.update(over)
-    return body
 
 
 def perturbed(model_dir, seed: int) -> torch.nn.Module:

@@ -7,12 +7,11 @@ import time
 
 import psutil
 import pytest
-from safetensors.torch import load_file
 
 from conftest import VLLM_SERVER, Server, kill_server_mid_run, needs_vllm, wait_for_step
 from tandem.cli import DEMO_CONFIG
 from tandem.demo import addition_rows, prepare, write_jsonl
-from test_async import DIGITS, ENV, base_args, command, read, train
+from test_async import DIGITS, ENV, base_args, command, read, train, weight_gap
 
 pytestmark = needs_vllm
 
@@ -51,9 +50,7 @@ def test_two_processes_train_like_one_with_twice_the_batch(model64, data, server
     # Measured: losses within 2.2e-7, weights within 2.3e-5 after 4 steps at lr 1e-2 (the
     # transformers engine's runs differ by 4e-6 to 2e-5).
     assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
-    a = load_file(tmp_path / "one" / "checkpoint-4" / "model.safetensors")
-    b = load_file(tmp_path / "two" / "checkpoint-4" / "model.safetensors")
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    worst = weight_gap(tmp_path / "one", tmp_path / "two", 4)
     assert worst < 1e-4, worst
 
 

@@ -165,49 +165,52 @@ class TransformersEngine:
         cache.reorder_cache(index)  # (U, ...) -> (N, ...)
         logits = out.logits[:, -1, :].float()[index]  # (N, V)
 
-        tokens, logps = [], []
-        done = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
+        # The batch holds only sequences still generating: once a quarter of its rows have
+        # stopped, they leave it, KV cache included, so no decode step computes a finished one.
+        live = torch.arange(n, device=device)  # (M,) the sequence each batch row holds
+        token_mat = torch.full((n, params.max_tokens), self.pad_token_id, dtype=torch.long, device=device)  # (N, T)
+        logp_mat = torch.zeros((n, params.max_tokens), device=device)  # (N, T)
+        lengths = torch.full((n,), params.max_tokens, dtype=torch.long, device=device)  # (N,)
         finished_by_eos = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
-        step_pos = positions[:, -1:]  # (N, 1)
+        done = torch.zeros(n, dtype=torch.bool, device=device)  # (M,)
+        step_pos = positions[:, -1:]  # (M, 1)
         for step in range(params.max_tokens):
             scores = apply_repetition_penalty(logits, seen, params.repetition_penalty) / params.temperature
             scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)
-            tok = sample(scores, generators)  # (N,)
+            tok = sample(scores, generators)  # (M,)
             tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
-            lp = token_logprobs(logits.unsqueeze(1), tok.unsqueeze(1), params.temperature).squeeze(1)  # (N,)
-            tokens.append(tok)
-            logps.append(lp)
-            hit_eos = torch.isin(tok, eos) & ~done
-            finished_by_eos |= hit_eos
+            lp = token_logprobs(logits.unsqueeze(1), tok.unsqueeze(1), params.temperature).squeeze(1)  # (M,)
+            token_mat[live, step] = tok
+            logp_mat[live, step] = lp
+            hit_eos = torch.isin(tok, eos) & ~done  # (M,)
+            finished_by_eos[live[hit_eos]] = True
+            lengths[live[hit_eos]] = step + 1
             done |= hit_eos
             if params.repetition_penalty != 1.0:
-                seen[torch.arange(n, device=device), tok] = True
+                seen[torch.arange(len(live), device=device), tok] = True
             if bool(done.all()) or step == params.max_tokens - 1:
                 break
+            if 4 * int(done.sum()) >= len(done):
+                keep = (~done).nonzero().squeeze(1)  # (M',)
+                cache.reorder_cache(keep)
+                live, tok, done, attention, step_pos, seen = live[keep], tok[keep], done[keep], attention[keep], step_pos[keep], seen[keep]
+                generators = [generators[i] for i in keep.tolist()]
             # the next token's logits, one decode step on the cache
-            step_pos = step_pos + 1  # (N, 1)
-            attention = torch.cat([attention, torch.ones((n, 1), dtype=attention.dtype, device=device)], dim=1)
+            step_pos = step_pos + 1  # (M, 1)
+            attention = torch.cat([attention, torch.ones((len(live), 1), dtype=attention.dtype, device=device)], dim=1)
             out = self.model(
                 input_ids=tok.unsqueeze(1), attention_mask=attention, position_ids=step_pos, past_key_values=cache, use_cache=True, logits_to_keep=1
             )
             cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()  # (N, V)
+            logits = out.logits[:, -1, :].float()  # (M, V)
 
-        token_mat = torch.stack(tokens, dim=1).cpu()  # (N, T)
-        logp_mat = torch.stack(logps, dim=1).cpu()  # (N, T)
-        finished_by_eos = finished_by_eos.cpu()
-        results = []
-        for i in range(n):
-            row = token_mat[i].tolist()
-            length = len(row)
-            if finished_by_eos[i]:
-                length = next(j for j, t in enumerate(row) if t in self.eos_token_ids) + 1
-            results.append(
-                Completion(
-                    token_ids=row[:length],
-                    logprobs=logp_mat[i, :length].tolist(),
-                    finish_reason="stop" if finished_by_eos[i] else "length",
-                    version=self.version,
-                )
+        token_mat, logp_mat, lengths, finished_by_eos = token_mat.cpu(), logp_mat.cpu(), lengths.tolist(), finished_by_eos.tolist()
+        return [
+            Completion(
+                token_ids=token_mat[i, : lengths[i]].tolist(),
+                logprobs=logp_mat[i, : lengths[i]].tolist(),
+                finish_reason="stop" if finished_by_eos[i] else "length",
+                version=self.version,
             )
-        return results
+            for i in range(n)
+        ]
