@@ -3,6 +3,7 @@ reproducibility, batch invariance, log-probs against the trainer's recompute, th
 atomic commits, fingerprints, bad input, restart recovery. The vLLM engine runs where vLLM is
 installed (./setup.sh --vllm)."""
 
+import os
 import threading
 import time
 
@@ -51,6 +52,13 @@ def recompute(model, pad_id: int, prompts, outs, temperature: float) -> list[lis
     with torch.no_grad():
         logps, _ = completion_logprobs(PrefixSharingLM(model), collate(rollouts, pad_id, "cpu", False), temperature)
     return [logps[i, : len(o.token_ids)].tolist() for i, o in enumerate(outs)]
+
+
+def test_info_names_the_engine_and_the_cores_it_keeps_busy(served):
+    info = call(served, "GET", "/info").json()
+    half = max(1, len(os.sched_getaffinity(0)) // 2)  # the default on CPU
+    # vLLM's engine core keeps most of a core busy besides its worker's threads
+    assert (info["engine"], info["threads"]) == {"transformers": ("TransformersEngine", half), "vllm": ("VLLMEngine", half + 1)}[served.engine]
 
 
 def test_seeded_completions_repeat_and_do_not_depend_on_their_batch(served):

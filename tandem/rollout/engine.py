@@ -29,6 +29,7 @@ class Engine(Protocol):
     # so the server merges waiting requests into one call. More: the engine batches continuously
     # across calls (vLLM), so each request goes in as it arrives.
     max_concurrency: int
+    threads: int  # CPU threads it keeps busy while generating: a trainer on the same host leaves them free
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
         """One completion per prompt; prompt i is sampled with its own seed seeds[i], with weights
@@ -93,6 +94,10 @@ class TransformersEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def threads(self) -> int:
+        return torch.get_num_threads()
 
     def weight_spec(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())

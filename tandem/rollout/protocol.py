@@ -60,7 +60,7 @@ class Info(BaseModel):
     max_request_bytes: int
     max_weight_chunk_bytes: int
     host_id: str  # equal for processes on one host: lets a client pick the shared-memory path
-    threads: int  # torch CPU threads the engine uses: a trainer on the same host leaves them free
+    threads: int  # CPU threads the engine keeps busy: a trainer on the same host leaves them free
     stats: dict[str, int]  # requests, engine_calls, sequences served so far
 
 

@@ -161,7 +161,7 @@ def build_app(
             max_request_bytes=max_request_bytes,
             max_weight_chunk_bytes=max_chunk_bytes,
             host_id=host_id(),
-            threads=torch.get_num_threads(),
+            threads=service.engine.threads if service.ready else torch.get_num_threads(),
             stats=dict(service.stats),
         )
 
@@ -319,7 +319,7 @@ def load_vllm_engine(args: argparse.Namespace):
         # gave torch here (a trainer on this host sizes itself to the others).
         cores = sorted(os.sched_getaffinity(0))[-torch.get_num_threads() :]
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
-    engine = VLLMEngine(folder, eos, args.dtype, options)
+    engine = VLLMEngine(folder, eos, args.dtype, options, torch.get_num_threads())
     return engine, engine.vocab_size, engine.max_model_len
 
 
