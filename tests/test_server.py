@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import Server, free_port, run_cli
+from conftest import HAVE_VLLM, Server, free_port, run_cli
 from tandem.rollout.client import RolloutClient, RolloutServerError
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
@@ -91,6 +91,13 @@ def test_concurrent_clients_are_batched_and_none_starves(server):
     assert mid["engine_calls"] - before["engine_calls"] == len(bodies)
     calls = after["engine_calls"] - mid["engine_calls"]
     assert calls <= 4, f"{len(bodies) + 1} concurrent requests took {calls} engine calls"
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here")
+def test_the_vllm_engine_without_vllm_says_how_to_install_it(tiny_model):
+    proc = run_cli("rollout", "--model", tiny_model, "--engine", "vllm", "--port", str(free_port()), timeout=60)
+    assert proc.returncode == 2
+    assert "pip install 'tandem-rl[vllm]'" in proc.stderr
 
 
 def test_non_loopback_bind_without_a_key_refuses_to_start(tiny_model):

