@@ -1,11 +1,14 @@
 """Server sync against server async with default settings, as a new user runs them: no taskset,
 no thread flags, no environment variables; the server and the trainer share the host's cores.
 
-    python bench/default_settings.py [--steps 12] [--warmup 3]
+    python bench/default_settings.py [--steps 12] [--warmup 3] [--bf16]
 
 Shape (generation-heavy): the `small` model (3M parameters), 8 prompts x 8 completions of up to
 64 tokens per step, exact_match on the demo's addition prompts, lr 1e-4. Prints the median
-seconds per step and completion tokens per second after the first --warmup steps.
+seconds per step and completion tokens per second after the first --warmup steps, the seconds of
+generation and training, and how far the server's log-probs are from the trainer's
+(kl_behav_proximal, and the largest per-token log-ratio). --bf16: the server holds bf16 weights
+(--dtype bfloat16) and the trainer computes under bf16 autocast (--bf16 true).
 """
 
 import argparse
@@ -25,13 +28,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--bf16", action="store_true")
     args = ap.parse_args()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # defaults: nothing set
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", tmp / "model", "--size", "small"], check=True, capture_output=True)
         write_jsonl(addition_rows(0), tmp / "data.jsonl")
-        server, url = start_server(tmp / "model")
+        server, url = start_server(tmp / "model", "--dtype", "bfloat16" if args.bf16 else "float32")
         try:
             for mode in ("sync", "async"):
                 out = tmp / mode
@@ -39,14 +43,18 @@ def main() -> None:
                        "--output_dir", out, "--reward_funcs", "exact_match", "--num_generations", "8", "--per_device_train_batch_size", "64",
                        "--max_completion_length", "64", "--max_steps", args.steps, "--learning_rate", "1e-4", "--save_steps", "0",
                        "--disable_tqdm", "true", "--rollout_mode", "server", "--rollout_server_urls", url,
-                       "--async_generate", "true" if mode == "async" else "false"]  # fmt: skip
+                       "--async_generate", "true" if mode == "async" else "false", "--bf16", str(args.bf16).lower()]  # fmt: skip
                 proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env)
                 if proc.returncode:
                     sys.exit(f"trainer failed:\n{proc.stderr[-3000:]}")
                 m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup :]
                 step = statistics.median(b["timestamp"] - a["timestamp"] for a, b in zip(m, m[1:]))
                 tokens = statistics.median(x["completion_tokens"] for x in m) / step
-                print(f"server {mode:<5}  {step:.2f} s/step  {tokens:.0f} completion tokens/s")
+                gen, train = (statistics.median(x[f"time/{k}"] for x in m) for k in ("generate", "train"))
+                kl = statistics.median(x["kl_behav_proximal"] for x in m)
+                ratio = max(max(abs(x["is_log_ratio/max"]), abs(x["is_log_ratio/min"])) for x in m)
+                print(f"server {mode:<5} {'bf16' if args.bf16 else 'fp32'}  {step:.2f} s/step  {tokens:.0f} completion tokens/s  "
+                      f"generate {gen:.2f} s  train {train:.2f} s  kl_behav_proximal {kl:.1e}  max |log-ratio| {ratio:.3f}", flush=True)  # fmt: skip
         finally:
             server.terminate()
             server.wait(timeout=30)
