@@ -56,7 +56,7 @@ def free_port() -> int:
 class Server:
     """`tandem rollout` in its own process."""
 
-    def __init__(self, model, *extra, port: int | None = None, ready_timeout: float = 60):
+    def __init__(self, model, *extra, port: int | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads (a full pipe blocks)
@@ -64,7 +64,7 @@ class Server:
             [sys.executable, "-m", "tandem.cli", "rollout", "--model", str(model), "--port", str(self.port), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
-        deadline = time.monotonic() + (ready_timeout if "vllm" not in extra else max(ready_timeout, 300))  # vLLM starts in 20-60 s
+        deadline = time.monotonic() + (300 if "vllm" in extra else 60)  # vLLM starts in 20-60 s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
@@ -83,10 +83,6 @@ class Server:
             self.proc.terminate()
             self.proc.wait(timeout=30)
         self.log.close()
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
 
     def kill(self):
         self.proc.kill()
