@@ -12,7 +12,6 @@ generation and training, and how far the server's log-probs are from the trainer
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -20,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import start_server  # bench/common.py
+from common import start_server, timed_server_run  # bench/common.py
 from tandem.demo import addition_rows, write_jsonl
 
 
@@ -38,18 +37,8 @@ def main() -> None:
         server, url = start_server(tmp / "model", "--dtype", "bfloat16" if args.bf16 else "float32")
         try:
             for mode in ("sync", "async"):
-                out = tmp / mode
-                cmd = [sys.executable, "-m", "tandem.cli", "train", "--model_name_or_path", tmp / "model", "--dataset_name", tmp / "data.jsonl",
-                       "--output_dir", out, "--reward_funcs", "exact_match", "--num_generations", "8", "--per_device_train_batch_size", "64",
-                       "--max_completion_length", "64", "--max_steps", args.steps, "--learning_rate", "1e-4", "--save_steps", "0",
-                       "--disable_tqdm", "true", "--rollout_mode", "server", "--rollout_server_urls", url,
-                       "--async_generate", "true" if mode == "async" else "false", "--bf16", str(args.bf16).lower()]  # fmt: skip
-                proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env)
-                if proc.returncode:
-                    sys.exit(f"trainer failed:\n{proc.stderr[-3000:]}")
-                m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup :]
-                step = statistics.median(b["timestamp"] - a["timestamp"] for a, b in zip(m, m[1:]))
-                tokens = statistics.median(x["completion_tokens"] for x in m) / step
+                step, tokens, m = timed_server_run(url, tmp / "model", tmp / "data.jsonl", tmp / mode, mode, args.steps, args.warmup,
+                                                   "--bf16", str(args.bf16).lower(), env=env)  # fmt: skip
                 gen, train = (statistics.median(x[f"time/{k}"] for x in m) for k in ("generate", "train"))
                 kl = statistics.median(x["kl_behav_proximal"] for x in m)
                 ratio = max(max(abs(x["is_log_ratio/max"]), abs(x["is_log_ratio/min"])) for x in m)

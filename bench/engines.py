@@ -15,15 +15,13 @@ engine alone is measured.
 
 import argparse
 import importlib.util
-import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import start_server  # bench/common.py
+from common import start_server, timed_server_run  # bench/common.py
 from tandem.data import encode_prompt
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.client import RolloutClient
@@ -40,20 +38,6 @@ def generation(url: str, prompts: list[list[int]], rounds: int) -> float:
         tokens += sum(len(o.token_ids) for o in outs)
     client.close()
     return tokens / (time.perf_counter() - start)
-
-
-def training(url: str, model: Path, data: Path, out: Path, mode: str, steps: int, warmup: int) -> tuple[float, float]:
-    cmd = [sys.executable, "-m", "tandem.cli", "train", "--model_name_or_path", model, "--dataset_name", data,
-           "--output_dir", out, "--reward_funcs", "exact_match", "--num_generations", "8", "--per_device_train_batch_size", "64",
-           "--max_completion_length", "64", "--max_steps", steps, "--learning_rate", "1e-4", "--save_steps", "0",
-           "--disable_tqdm", "true", "--rollout_mode", "server", "--rollout_server_urls", url,
-           "--async_generate", "true" if mode == "async" else "false"]  # fmt: skip
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"trainer failed:\n{proc.stderr[-3000:]}")
-    m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][warmup:]
-    step = statistics.median(b["timestamp"] - a["timestamp"] for a, b in zip(m, m[1:]))
-    return step, statistics.median(x["completion_tokens"] for x in m) / step
 
 
 def main() -> None:
@@ -80,8 +64,8 @@ def main() -> None:
             startup = time.perf_counter() - started
             try:
                 gen = generation(url, prompts, args.rounds)
-                sync = training(url, model, data, tmp / f"{engine}-sync", "sync", args.steps, args.warmup)
-                asyn = training(url, model, data, tmp / f"{engine}-async", "async", args.steps, args.warmup)
+                sync = timed_server_run(url, model, data, tmp / f"{engine}-sync", "sync", args.steps, args.warmup)
+                asyn = timed_server_run(url, model, data, tmp / f"{engine}-async", "async", args.steps, args.warmup)
             finally:
                 server.terminate()
                 server.wait(timeout=60)
