@@ -311,15 +311,15 @@ def load_vllm_engine(args: argparse.Namespace):
         # which CPU generators cannot do ("CPU Generator does not use offset"): the engine core
         # dies at the first large batch. Whole prompts per step avoid the rewind.
         options["enable_chunked_prefill"] = False
-    if args.device == "cpu" and args.kv_cache_memory_bytes is None and args.gpu_memory_utilization is None:
-        # vLLM's default claims 92% of the host's memory for the KV cache, and fails to start when
-        # a trainer or anything else holds more than 8%. Size it for --max-batch-tokens instead.
-        options["kv_cache_memory_bytes"] = kv_cache_bytes(folder, args.dtype, max(args.max_batch_tokens, args.max_model_len or 0))
-    if args.device == "cpu" and (args.tensor_parallel_size or 1) == 1:
-        # vLLM pins its CPU worker's threads to cores; give it the last of ours, as many as --threads
-        # gave torch here (a trainer on this host sizes itself to the others).
-        cores = sorted(os.sched_getaffinity(0))[-torch.get_num_threads() :]
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        if args.kv_cache_memory_bytes is None and args.gpu_memory_utilization is None:
+            # vLLM's default claims 92% of the host's memory for the KV cache, and fails to start
+            # when a trainer or anything else holds more than 8%. Size it for --max-batch-tokens.
+            options["kv_cache_memory_bytes"] = kv_cache_bytes(folder, args.dtype, max(args.max_batch_tokens, args.max_model_len or 0))
+        if (args.tensor_parallel_size or 1) == 1:
+            # vLLM pins its CPU worker's threads to cores; give it the last of ours, as many as
+            # --threads gave torch here (a trainer on this host sizes itself to the others).
+            cores = sorted(os.sched_getaffinity(0))[-torch.get_num_threads() :]
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     engine = VLLMEngine(folder, eos, args.dtype, options, torch.get_num_threads())
     return engine, engine.vocab_size, engine.max_model_len
 
@@ -332,7 +332,7 @@ def kv_cache_bytes(folder: str, dtype: str, tokens: int) -> int:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
     return per_token * tokens
 
 
