@@ -33,6 +33,7 @@ def main():
     for name, kind in [("model", str), ("data", str), ("out", str), ("steps", int), ("batch", int), ("num_generations", int),
                        ("max_completion_length", int), ("learning_rate", float), ("seed", int)]:  # fmt: skip
         ap.add_argument(f"--{name}", type=kind, required=True)
+    ap.add_argument("--bf16", choices=["true", "false"], required=True)
     args = ap.parse_args()
     config = GRPOConfig(
         output_dir=args.out + ".trl",
@@ -49,6 +50,7 @@ def main():
         report_to="none",
         save_strategy="no",
         use_cpu=True,
+        bf16=args.bf16 == "true",
         seed=args.seed,
         disable_tqdm=True,
     )

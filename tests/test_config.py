@@ -107,3 +107,31 @@ def test_help_explains_every_option():
     for name in TrainConfig.__dataclass_fields__:
         assert f"--{name}" in proc.stdout, name
     assert "Completions per prompt" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "cuda, native_cpu, requested, expected, warns",
+    [
+        (False, False, None, False, False),  # CPU: fp32 unless asked
+        (False, True, None, False, False),
+        (False, False, True, True, True),  # asked for on a CPU that emulates bf16: a warning
+        (False, True, True, True, False),  # AVX512-BF16 or AMX: no warning
+        (True, False, None, True, False),  # a CUDA GPU with bf16: on by default, as TRL
+        (True, False, False, False, False),
+    ],
+)
+def test_bf16_default_follows_the_hardware(monkeypatch, cuda, native_cpu, requested, expected, warns):
+    # The hardware is the outer boundary here: its probes are replaced, the decision is tandem's.
+    import torch
+
+    from tandem.trainer.setup import resolve_bf16
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_cpu)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    bf16, warning = resolve_bf16(requested)
+    assert bf16 is expected
+    assert (warning is not None) is warns
+    if warns:
+        assert "--bf16 true" in warning and "AVX512-BF16" in warning

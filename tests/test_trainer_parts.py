@@ -1,5 +1,6 @@
 """Pieces of the trainer that the end-to-end runs cannot isolate."""
 
+import itertools
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import latest_checkpoint
 from tandem.algo import token_logprobs
-from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
+from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs, length_buckets
 
 
 def test_collate_keeps_each_prompt_once_and_masks_truncated_completions():
@@ -29,6 +30,42 @@ def test_collate_keeps_each_prompt_once_and_masks_truncated_completions():
     assert mb.completion_attention.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
     assert mb.completion_mask.tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0]]  # b hit the length limit
     assert collate([a, b, a2], 0, "cpu", mask_truncated=False).completion_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+
+
+def _tokens_run(lengths, groups):
+    return sum(len(g) * max(lengths[i] for i in g) for g in groups)
+
+
+def test_length_buckets_worked_examples():
+    # lengths 64 60 | 33 30 | 5 | 3 2 1: 2*64 + 2*33 + 5 + 3*3 = 208 tokens run, against 8*64 = 512
+    # for one bucket; no split into 4 runs fewer (64 60 | 33 30 | 5 3 | 2 1 ties at 208).
+    lengths = [5, 1, 64, 60, 3, 30, 2, 33]
+    groups = length_buckets(lengths, max_buckets=4, bucket_cost=0)
+    assert sorted(i for g in groups for i in g) == list(range(8)) and len(groups) == 4
+    assert _tokens_run(lengths, groups) == 208
+    # A bucket must save more than its cost: [10 10 | 1 1] runs 22 tokens against 40, a saving of
+    # 18, which a cost of 64 does not pay for; a cost of 17 does.
+    assert length_buckets([10, 1, 10, 1], bucket_cost=64) == [[0, 2, 1, 3]]
+    assert sorted(map(sorted, length_buckets([10, 1, 10, 1], bucket_cost=17))) == [[0, 2], [1, 3]]
+    assert length_buckets([7, 7, 7], bucket_cost=0) == [[0, 1, 2]]  # equal lengths: one bucket, the fewest
+    assert length_buckets([], 4) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_length_buckets_equal_a_brute_force_search(seed):
+    # Every way to cut the sorted lengths into at most 4 contiguous groups, tokens plus cost per group.
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 65, (9,), generator=g).tolist()
+    cost = [0, 20, 64][seed % 3]
+    ordered = sorted(lengths, reverse=True)
+    best = min(
+        sum(ordered[a] * (b - a) for a, b in zip((0, *cuts), (*cuts, 9))) + cost * (len(cuts) + 1)
+        for k in range(4)
+        for cuts in itertools.combinations(range(1, 9), k)
+    )
+    groups = length_buckets(lengths, max_buckets=4, bucket_cost=cost)
+    assert sorted(i for grp in groups for i in grp) == list(range(9)) and len(groups) <= 4
+    assert _tokens_run(lengths, groups) + cost * len(groups) == best
 
 
 def _full_forward_logprobs(lm, rollouts, pad_id=0):
@@ -47,11 +84,12 @@ def _full_forward_logprobs(lm, rollouts, pad_id=0):
     return token_logprobs(logits.float(), ids[:, P:]).double(), mask[:, P:]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_prefix_sharing_forward_equals_the_full_forward(tiny_model, seed):
+@pytest.mark.parametrize("seed, max_buckets", [(0, 1), (1, 1), (0, 4), (1, 3)])
+def test_prefix_sharing_forward_equals_the_full_forward(tiny_model, seed, max_buckets):
     # With the model in float64 and its logits taken to float32 as the trainer does, the two
     # computations agree exactly (measured: difference 0.0). Prompts of different lengths, groups of different sizes, a
-    # completion of one token.
+    # completion of one token; every completion padded to the longest (one bucket), or split
+    # into length buckets whose members come from several prompts.
     lm = AutoModelForCausalLM.from_pretrained(tiny_model).double()
     g = torch.Generator().manual_seed(seed)
     rollouts = []
@@ -60,9 +98,12 @@ def test_prefix_sharing_forward_equals_the_full_forward(tiny_model, seed):
         for j in range(1 + k):  # never overlap, so a gradient on a prompt token came through the cache
             completion = torch.randint(130, 250, (1 + (j + k) % 4,), generator=g).tolist()
             rollouts.append(Rollout(k, k, prompt, completion, [0.0] * len(completion), "stop", 0))
+    mb = collate(rollouts, 0, "cpu", False, max_buckets=max_buckets, bucket_cost=0)
+    assert len(mb.buckets) == max_buckets
     expected, mask = _full_forward_logprobs(lm, rollouts)
-    got, _ = completion_logprobs(PrefixSharingLM(lm), collate(rollouts, 0, "cpu", False), 1.0)
+    got, _ = completion_logprobs(PrefixSharingLM(lm), mb, 1.0)
     assert torch.equal(got.double() * mask, expected * mask)
+    assert torch.equal(got * (1 - mask), torch.zeros_like(got))  # nothing is computed past a completion's end
     # The gradients equal the full forward's, parameter by parameter: a KV cache detached from
     # the graph would still give prompt embeddings some gradient (through the first completion
     # token's input), but not these values.
@@ -71,7 +112,7 @@ def test_prefix_sharing_forward_equals_the_full_forward(tiny_model, seed):
     (_full_forward_logprobs(lm, rollouts)[0] * mask * weights).sum().backward()
     expected_grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
     lm.zero_grad()
-    got, _ = completion_logprobs(PrefixSharingLM(lm), collate(rollouts, 0, "cpu", False), 1.0)
+    got, _ = completion_logprobs(PrefixSharingLM(lm), mb, 1.0)
     (got.double() * mask * weights).sum().backward()
     # Measured: relative error at most 7e-8 (float32 log-softmax gradients of a shared prompt's
     # first token summed in another order); with the cache detached it is 1.5.

@@ -1,4 +1,5 @@
-"""Training micro-batches, and the forward pass that computes each prompt once per group.
+"""Training micro-batches, and the forward pass that computes each prompt once per group and
+no padding past the end of a completion.
 
 The G completions of a prompt share it. The forward runs the distinct prompts once with a KV
 cache, gathers that cache to one row per completion (index_select, so gradients from every
@@ -7,15 +8,57 @@ it. On the demo task (25-token prompts, 3-token completions, G=8) that is 3.5x l
 running every prompt+completion sequence in full, with the same result up to float rounding
 (a float64 model gives the same log-probs exactly, and gradients within 1e-6 relative; see
 tests/test_trainer_parts.py).
+
+Completions of one micro-batch end at different lengths (a mean of 35 of 64 tokens is typical),
+so padding them all to the longest would spend about half the forward and backward on padding.
+The completions are instead run in a few buckets of similar length, each padded only to its own
+longest (length_buckets chooses them): at the generation-heavy shape, 1958 tokens run for 1589
+real ones instead of 4096, and forward + backward take half the time (bench/train_forward.py).
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.algo import entropy_from_logits, token_logprobs
 from tandem.rollout.types import Rollout
+
+# Each bucket is one more forward and backward call through the model, with a fixed cost that it
+# must earn back (on the `small` model on 2 cores, about the work of 100 tokens): one more bucket
+# is taken only where it saves more than BUCKET_COST padded tokens, and never more than
+# MAX_BUCKETS (past 4 they gained nothing measurable; bench/train_forward.py).
+MAX_BUCKETS = 4
+BUCKET_COST = 64
+
+
+def length_buckets(lengths: list[int], max_buckets: int = MAX_BUCKETS, bucket_cost: int = BUCKET_COST) -> list[list[int]]:
+    """Split sequences into at most `max_buckets` groups, each padded to its own longest, so that
+    tokens run plus `bucket_cost` per group are fewest (the fewest groups among equal splits). An
+    exact dynamic program over the lengths sorted longest first, where an optimal split is
+    contiguous. Returns the indices of each group, longest group first."""
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    width = torch.tensor([lengths[i] for i in order], dtype=torch.float64)  # (n,), descending
+    i, j = torch.arange(n, dtype=torch.float64).unsqueeze(1), torch.arange(n + 1, dtype=torch.float64).unsqueeze(0)
+    # cost[i, j]: tokens of one group holding sorted sequences i..j-1, all padded to i's length
+    cost = torch.where(j > i, (j - i) * width.unsqueeze(1), torch.inf)  # (n, n + 1)
+    best = torch.full((n + 1,), torch.inf, dtype=torch.float64)  # best[j]: fewest tokens for sequences 0..j-1 ...
+    best[0] = 0.0  # ... in exactly k groups; k = 0 here
+    starts, totals = [], []
+    for _ in range(min(max_buckets, n)):
+        best, start = (best[:n].unsqueeze(1) + cost).min(dim=0)  # (n + 1,): k + 1 groups, where the last one starts
+        starts.append(start)
+        totals.append(best[n])
+    k = min(range(len(totals)), key=lambda k: (totals[k] + k * bucket_cost, k)) if n else -1
+    groups, end = [], n
+    for level in range(k, -1, -1):  # walk back through the groups, last first
+        begin = int(starts[level][end])
+        groups.append(order[begin:end])
+        end = begin
+    return groups[::-1]
 
 
 @dataclass
@@ -26,14 +69,18 @@ class MicroBatch:
     completion_ids: torch.Tensor  # (n, C), right-padded
     completion_attention: torch.Tensor  # (n, C): 1 on real completion tokens
     completion_mask: torch.Tensor  # (n, C) float: 1 on tokens the loss covers
+    buckets: list[tuple[torch.Tensor, int]]  # completions of similar length run together: (rows, width)
 
 
-def collate(rollouts: list[Rollout], pad_id: int, device, mask_truncated: bool) -> MicroBatch:
+def collate(
+    rollouts: list[Rollout], pad_id: int, device, mask_truncated: bool, max_buckets: int = MAX_BUCKETS, bucket_cost: int = BUCKET_COST
+) -> MicroBatch:
     keys: dict[tuple, int] = {}
     index = [keys.setdefault(tuple(r.prompt_ids), len(keys)) for r in rollouts]
     prompts = list(keys)
     U, P = len(prompts), max(len(p) for p in prompts)
-    n, C = len(rollouts), max(1, max(len(r.completion_ids) for r in rollouts))
+    lengths = [max(1, len(r.completion_ids)) for r in rollouts]
+    n, C = len(rollouts), max(lengths)
     prompt = torch.full((U, P), pad_id, dtype=torch.long)  # (U, P)
     prompt_mask = torch.zeros((U, P), dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -54,47 +101,61 @@ def collate(rollouts: list[Rollout], pad_id: int, device, mask_truncated: bool) 
         completion_ids=completion.to(device),
         completion_attention=attention.to(device),
         completion_mask=loss_mask.float().to(device),
+        buckets=[(torch.tensor(rows).to(device), lengths[rows[0]]) for rows in length_buckets(lengths, max_buckets, bucket_cost)],
     )
 
 
+def _select_rows(cache, rows: torch.Tensor):
+    """A copy of a KV cache holding only `rows` (differentiable: index_select); the original is
+    left as it was, so each bucket starts from the same prompt cache."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    out.reorder_cache(rows)
+    return out
+
+
 class PrefixSharingLM(nn.Module):
-    """Wraps a causal LM so that one call computes the completion logits of a MicroBatch. One
-    module call keeps DDP to one forward per backward, though the prompts and the completions
-    are two passes through the model."""
+    """Wraps a causal LM so that one call computes the completion log-probs of a MicroBatch. One
+    module call keeps DDP to one forward per backward, though the prompts and each bucket of
+    completions are separate passes through the model."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, mb: MicroBatch) -> torch.Tensor:
-        """Logits (n, C, V): position t predicts completion token t."""
-        idx = mb.prompt_index  # (n,)
+    def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (n, C) of the completion tokens under softmax(logits / temperature), 0 past
+        each completion's end, and their entropy (n, C) if asked (no gradient)."""
         positions = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (U, P), as the engine numbered them
         out = self.lm(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        logits = [out.logits[:, -1:, :][idx]]  # (n, 1, V): the last prompt position predicts token 0
+        last = out.logits[:, -1:, :]  # (U, 1, V): the last prompt position predicts token 0
+        prompt_lengths = mb.prompt_mask.sum(-1)  # (U,)
         C = mb.completion_ids.shape[1]
-        if C > 1:
-            cache = out.past_key_values
-            cache.reorder_cache(idx)  # (U, ...) -> (n, ...), differentiable
-            lengths = mb.prompt_mask.sum(-1)[idx]  # (n,)
-            rest = self.lm(
-                input_ids=mb.completion_ids[:, :-1],  # (n, C-1)
-                attention_mask=torch.cat([mb.prompt_mask[idx], mb.completion_attention[:, :-1]], dim=1),  # (n, P + C-1)
-                position_ids=lengths.unsqueeze(1) + torch.arange(C - 1, device=idx.device),  # (n, C-1)
-                past_key_values=cache,
-                use_cache=True,
-            ).logits  # (n, C-1, V)
-            logits.append(rest)
-        return torch.cat(logits, dim=1)
+        logps, entropies = [], []
+        for rows, width in mb.buckets:  # rows (n_b,), completions at most `width` long
+            idx = mb.prompt_index[rows]  # (n_b,)
+            logits = last[idx]  # (n_b, 1, V)
+            if width > 1:
+                rest = self.lm(
+                    input_ids=mb.completion_ids[rows, : width - 1],  # (n_b, width-1)
+                    attention_mask=torch.cat([mb.prompt_mask[idx], mb.completion_attention[rows, : width - 1]], dim=1),  # (n_b, P + width-1)
+                    position_ids=prompt_lengths[idx].unsqueeze(1) + torch.arange(width - 1, device=idx.device),  # (n_b, width-1)
+                    past_key_values=_select_rows(out.past_key_values, idx),
+                    use_cache=True,
+                ).logits  # (n_b, width-1, V)
+                logits = torch.cat([logits, rest], dim=1)  # (n_b, width, V)
+            tokens = mb.completion_ids[rows, :width]  # (n_b, width)
+            logps.append(F.pad(token_logprobs(logits.float(), tokens, temperature), (0, C - width)))  # (n_b, C)
+            if with_entropy:
+                with torch.no_grad():
+                    entropies.append(F.pad(entropy_from_logits(logits, temperature), (0, C - width)))
+        inverse = torch.argsort(torch.cat([rows for rows, _ in mb.buckets]))  # bucket order -> batch order
+        real = mb.completion_attention.bool()  # (n, C)
+        entropy = torch.cat(entropies)[inverse].masked_fill(~real, 0.0) if with_entropy else None
+        return torch.cat(logps)[inverse].masked_fill(~real, 0.0), entropy  # (n, C)
 
 
 def completion_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False):
     """Per-token log-probs (n, C) of the completion tokens, and their entropy (n, C) if asked.
     `model` is a PrefixSharingLM (possibly inside DDP)."""
-    logits = model(mb)  # (n, C, V)
-    logps = token_logprobs(logits.float(), mb.completion_ids, temperature)  # (n, C)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits, temperature)  # (n, C)
-    return logps, entropy
+    return model(mb, temperature, with_entropy)

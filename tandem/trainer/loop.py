@@ -36,7 +36,7 @@ from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
 from tandem.trainer.producer import AsyncProducer, Round, SyncProducer, completion_seed
-from tandem.trainer.setup import build_policy, load_prompts, trainer_threads
+from tandem.trainer.setup import build_policy, load_prompts, resolve_bf16, trainer_threads
 
 
 def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -64,6 +64,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig):
         config.validate()
+        config.bf16, bf16_warning = resolve_bf16(config.bf16)
         self.config = config
         set_seed(config.seed)
         # Every collective gets a finite timeout: a rank that died can never hang the others forever.
@@ -83,7 +84,7 @@ class Trainer:
             resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
             (self.out / "config.yaml").write_text(resolved)
             print(f"tandem: resolved config ({self.world} process(es))\n{resolved}", flush=True)
-            for warning in config.warnings():
+            for warning in config.warnings() + ([bf16_warning] if bf16_warning else []):
                 print(f"tandem: warning: {warning}", file=sys.stderr, flush=True)
 
         # Cheap checks first: reward functions and the dataset fail before the model loads.

@@ -60,6 +60,23 @@ def build_policy(config: TrainConfig, resume_dir: Path | None, device) -> tuple[
     return model, ref_model, optimizer, scheduler
 
 
+def resolve_bf16(requested: bool | None) -> tuple[bool, str | None]:
+    """Whether to train in bf16, and a warning for the user or None. By default bf16 where a CUDA
+    GPU computes it (TRL's default), fp32 on CPU. A CPU without AVX512-BF16 or AMX emulates bf16
+    matmuls: asked for there, the run goes on in bf16 with a warning."""
+    if torch.cuda.is_available():
+        return (torch.cuda.is_bf16_supported() if requested is None else requested), None
+    if not requested:
+        return False, None
+    native = any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    if native:
+        return True, None
+    return True, (
+        "bf16 on a CPU without native bf16 (no AVX512-BF16 or AMX): torch emulates it, and bf16 matmuls run 10x to "
+        "300x slower than fp32 on such a CPU (bench/vs_trl.py measures this machine); drop --bf16 true to train in fp32"
+    )
+
+
 def trainer_threads(server_infos: list[dict], local_processes: int) -> tuple[int, str] | None:
     """Torch threads for each training process when rollout servers compute on this host's CPU:
     the cores they leave (each reports its threads in /info), split between this host's
