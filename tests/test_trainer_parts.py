@@ -103,7 +103,7 @@ def test_prefix_sharing_forward_equals_the_full_forward(tiny_model, seed, max_bu
     expected, mask = _full_forward_logprobs(lm, rollouts)
     got, _ = completion_logprobs(PrefixSharingLM(lm), mb, 1.0)
     assert torch.equal(got.double() * mask, expected * mask)
-    assert torch.equal(got * (1 - mask), torch.zeros_like(got))  # nothing is computed past a completion's end
+    assert torch.equal(got * (1 - mask), torch.zeros_like(got))  # log-probs are 0 past a completion's end, whatever its bucket's width
     # The gradients equal the full forward's, parameter by parameter: a KV cache detached from
     # the graph would still give prompt embeddings some gradient (through the first completion
     # token's input), but not these values.

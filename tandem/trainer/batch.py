@@ -1,5 +1,5 @@
 """Training micro-batches, and the forward pass that computes each prompt once per group and
-no padding past the end of a completion.
+little padding past the ends of completions.
 
 The G completions of a prompt share it. The forward runs the distinct prompts once with a KV
 cache, gathers that cache to one row per completion (index_select, so gradients from every
@@ -12,8 +12,9 @@ tests/test_trainer_parts.py).
 Completions of one micro-batch end at different lengths (a mean of 35 of 64 tokens is typical),
 so padding them all to the longest would spend about half the forward and backward on padding.
 The completions are instead run in a few buckets of similar length, each padded only to its own
-longest (length_buckets chooses them): at the generation-heavy shape, 1958 tokens run for 1589
-real ones instead of 4096, and forward + backward take half the time (bench/train_forward.py).
+longest (length_buckets chooses them). On 64 completions of mean length 25 of 64, 1958 tokens
+run for 1589 real ones instead of 4096, and forward + backward take half the time
+(bench/train_forward.py).
 """
 
 import copy

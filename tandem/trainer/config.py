@@ -82,7 +82,7 @@ class TrainConfig:
     adam_beta2: float = opt(0.999, "AdamW beta2.", "batch and schedule")
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", "batch and schedule")
     on_nonfinite: str = opt("skip", "A step whose loss or gradient norm is NaN or inf never updates the weights: 'skip' drops it and counts it in the metric skipped_steps; 'error' stops the run naming the step.", "batch and schedule")
-    bf16: bool | None = opt(None, "Train in bf16 mixed precision (through accelerate). Default (none): on with a CUDA GPU that computes bf16, as TRL; off on CPU, where most CPUs emulate bf16 (10-300x slower than fp32) and where tandem's exactness guarantees are stated in fp32.", "batch and schedule")
+    bf16: bool | None = opt(None, "Train in bf16 mixed precision (through accelerate). Default (none): on with a CUDA GPU that computes bf16, as TRL; off on CPU, where most CPUs emulate bf16 (10-500x slower than fp32) and where tandem's exactness guarantees are stated in fp32.", "batch and schedule")
     ddp_timeout: float = opt(1800.0, "Seconds any collective between training processes may wait before the run fails.", "batch and schedule")
 
     # --- loss ---

@@ -73,7 +73,7 @@ def resolve_bf16(requested: bool | None) -> tuple[bool, str | None]:
         return True, None
     return True, (
         "bf16 on a CPU without native bf16 (no AVX512-BF16 or AMX): torch emulates it, and bf16 matmuls run 10x to "
-        "300x slower than fp32 on such a CPU (bench/vs_trl.py measures this machine); drop --bf16 true to train in fp32"
+        "500x slower than fp32 on such a CPU (bench/vs_trl.py measures this machine); drop --bf16 true to train in fp32"
     )
 
 
