@@ -1,6 +1,6 @@
 """The transformers engine's decode loop where completions end at different lengths.
 
-    python bench/decode.py [--repeats 5] [--compile]
+    python bench/decode.py [--repeats 5] [--compile] [--threads 2]
 
 Shape: the `small` model (3M parameters, random init), 64 completions of up to 64 tokens, 2
 threads. A random model rarely stops on its own, so 7 of its 259 tokens are made end-of-sequence
@@ -29,8 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", Path(tmp) / "m", "--size", "small"], check=True, capture_output=True)
         model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "m")
