@@ -54,21 +54,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", Path(tmp) / "m", "--size", "small"], check=True, capture_output=True)
         model = PrefixSharingLM(AutoModelForCausalLM.from_pretrained(Path(tmp) / "m"))
-    default = MAX_BUCKETS
     for groups in args.groups:
         batch = rollouts(groups)
         real = sum(len(r.completion_ids) for r in batch)
-        times: dict[int, list[float]] = {1: [], default: []}
+        times: dict[int, list[float]] = {1: [], MAX_BUCKETS: []}
         ran = {}
         for rep in range(args.repeats + 1):
             for k in times:  # alternate, so drift hits both
                 seconds, ran[k] = fwd_bwd(model, batch, k)
                 if rep:  # the first is warm-up
                     times[k].append(seconds)
-        one, many = statistics.median(times[1]), statistics.median(times[default])
+        one, many = statistics.median(times[1]), statistics.median(times[MAX_BUCKETS])
         print(f"{len(batch)} completions, {real} tokens (mean {real / len(batch):.1f} of at most 64):")
         print(f"  padded to the longest   {ran[1]:>6} tokens run  {one:.3f} s")
-        print(f"  length buckets (<= {default})  {ran[default]:>6} tokens run  {many:.3f} s  {one / many:.2f}x faster")
+        print(f"  length buckets (<= {MAX_BUCKETS})  {ran[MAX_BUCKETS]:>6} tokens run  {many:.3f} s  {one / many:.2f}x faster")
 
 
 if __name__ == "__main__":
