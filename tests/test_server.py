@@ -223,3 +223,64 @@ def test_an_answer_cut_off_midway_is_retried_then_reported_naming_the_server():
         client.close()
         listener.close()
     assert len(answered) >= 2  # retried, not raised at the first cut
+
+
+def shifted_weights(tiny_model, shift: float) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p.detach() + shift) for n, p in AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters()]
+
+
+def test_a_push_whose_first_request_reaches_a_restarted_server_gives_it_the_weights(tiny_model):
+    server = Server(tiny_model)
+    client = RolloutClient([server.url], server_timeout=30)
+    try:
+        client.wait_until_ready()
+        client.push_weights(shifted_weights(tiny_model, 1e-3), version=1)
+        server.kill()
+        server = Server(tiny_model, port=server.port)  # a new process at version 0: it refuses version 2 as not next
+        new = shifted_weights(tiny_model, 2e-3)
+        assert client.push_weights(new, version=2) == [2]
+        assert client.fingerprints() == [{"version": 2, "fingerprint": fingerprint(new)}]
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_push_cut_by_a_restart_that_the_generating_thread_resyncs_completes(tiny_model, monkeypatch):
+    # The race CI met in async mode: the trainer's push began on the old process; the generating
+    # thread noticed the restart first and resynced; the push's next chunk (an update id only
+    # the old process knew) then reached the new one. The restart is injected between the
+    # push's begin and its first chunk by wrapping the client's bucketing, once.
+    import tandem.rollout.client as client_module
+
+    server = Server(tiny_model)
+    client = RolloutClient([server.url], server_timeout=30, transport="http")
+    real_buckets, results, injected = client_module.buckets, [], []
+
+    def restart_first(named, size):
+        nonlocal server
+        if not injected:
+            injected.append(1)
+            synced = client._instances[server.url]
+            server.kill()
+            server = Server(tiny_model, port=server.port)
+            gen = threading.Thread(target=lambda: results.append(client.generate([PROMPT], SamplingParams(max_tokens=3), [7], min_version=1)))
+            gen.start()
+            injected.append(gen)
+            deadline = time.monotonic() + 30
+            while client._instances[server.url] == synced:  # until the generating thread starts its resync
+                assert time.monotonic() < deadline, "the generating thread never noticed the restart"
+                time.sleep(0.05)
+        yield from real_buckets(named, size)
+
+    try:
+        client.wait_until_ready()
+        client.push_weights(shifted_weights(tiny_model, 1e-3), version=1)
+        monkeypatch.setattr(client_module, "buckets", restart_first)
+        new = shifted_weights(tiny_model, 2e-3)
+        assert client.push_weights(new, version=2) == [2]
+        injected[1].join(timeout=60)
+        assert client.fingerprints() == [{"version": 2, "fingerprint": fingerprint(new)}]
+    finally:
+        client.close()
+        server.stop()
+    assert [c.version for c in results[0]] == [2]  # the generation repeated on the resynced server

@@ -70,6 +70,8 @@ class RolloutClient:
         self._instances: dict[str, str] = {}  # url -> instance id of the server process we synced
         self._last_pushed: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
         self._resync_lock = threading.Lock()
+        self._push_locks = {url: threading.Lock() for url in self.urls}
+        self._committed: dict[str, tuple[str, int]] = {}  # url -> (instance id, version) of its last commit
 
     # ------------------------------------------------------------------ plumbing
 
@@ -79,21 +81,27 @@ class RolloutClient:
             self._local.session = requests.Session()
         return self._local.session
 
-    def _call(self, method: str, url: str, path: str, what: str, **kw) -> dict:
+    def _call(self, method: str, url: str, path: str, what: str, instance: str | None = None, **kw) -> dict:
+        """One request, retried. `instance` is the server process the request is meant for (by
+        default the one synced when the call starts): a refusal or a retry finds out whether
+        that process was replaced, and a replaced one raises _Restarted."""
         headers = {**self.headers, **kw.pop("headers", {})}
         start = time.monotonic()
         deadline = start + self.server_timeout
+        instance = instance or self._instances.get(url)
         delay, attempts, last = 0.1, 0, ""
         while True:
             attempts += 1
             if attempts > 1:
-                self._check_restart(url, time.monotonic() - start)
+                self._check_restart(url, instance, time.monotonic() - start)
             try:
                 r = self.session.request(method, url + path, headers=headers, timeout=self.timeout, **kw)
                 if r.status_code < 400:
                     return r.json()
                 message = _error_text(r)
                 if r.status_code not in RETRY_STATUS:
+                    # A new process refuses what the old one had (an update id, the next version).
+                    self._check_restart(url, instance, time.monotonic() - start)
                     raise RolloutServerError(f"rollout server {url} refused {what} ({method} {path}): HTTP {r.status_code}: {message}")
                 last = f"HTTP {r.status_code}: {message}"
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as exc:
@@ -107,15 +115,15 @@ class RolloutClient:
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
-    def _check_restart(self, url: str, down_seconds: float) -> None:
-        """After a failed attempt: raise _Restarted if the server now answers as a new process."""
-        if url not in self._instances:
-            return
+    def _check_restart(self, url: str, instance: str | None, down_seconds: float) -> None:
+        """After a failed attempt: raise _Restarted if the server now answers as another process than `instance`."""
+        if instance is None:
+            return  # not synced yet: nothing to lose
         try:
             health = self.session.get(url + "/health", timeout=self.timeout).json()
         except (requests.RequestException, ValueError):
             return  # still down
-        if health.get("status") == "ready" and health.get("instance_id") != self._instances[url]:
+        if health.get("status") == "ready" and health.get("instance_id") != instance:
             raise _Restarted(url, down_seconds)
 
     def _resync(self, restarted: _Restarted) -> None:
@@ -215,24 +223,32 @@ class RolloutClient:
         return self._each(one, self.urls)
 
     def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool) -> int:
-        handle = self._call("POST", url, "/weights/begin", "a weight update", json={"version": version, "force": force, "num_tensors": len(named)})
-        uid = handle["update_id"]
-        for bucket in buckets(named, self.bucket_bytes):
-            if self._use_shm(url):
-                fd = sealed_memfd(safetensors_stream(bucket)[1])
-                try:
-                    # The server opens our descriptor through /proc and maps it; the seals make
-                    # the bytes immutable, so nothing can change them once they are staged.
-                    self._call("POST", url, f"/weights/{uid}/file", "a weight file", json={"path": f"/proc/{os.getpid()}/fd/{fd}"})
-                finally:
-                    os.close(fd)
-            else:
-                self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", data=_Body(*safetensors_stream(bucket)),
-                           headers={"Content-Type": "application/octet-stream"})  # fmt: skip
-        got = self._call("POST", url, f"/weights/{uid}/commit", "a weight commit")["version"]
-        if got != version:
-            raise RolloutServerError(f"rollout server {url} reports version {got} after the update, expected {version}")
-        return got
+        """One update to one server. Updates to a server run one at a time (a server keeps only
+        its newest unfinished update), each bound to the process it began on; an update that
+        process already committed (a resync by the generating thread) is not sent twice."""
+        with self._push_locks[url]:
+            instance = self._instances.get(url)
+            if instance is not None and self._committed.get(url) == (instance, version):
+                return version
+            body = {"version": version, "force": force, "num_tensors": len(named)}
+            uid = self._call("POST", url, "/weights/begin", "a weight update", instance, json=body)["update_id"]
+            for bucket in buckets(named, self.bucket_bytes):
+                if self._use_shm(url):
+                    fd = sealed_memfd(safetensors_stream(bucket)[1])
+                    try:
+                        # The server opens our descriptor through /proc and maps it; the seals make
+                        # the bytes immutable, so nothing can change them once they are staged.
+                        self._call("POST", url, f"/weights/{uid}/file", "a weight file", instance, json={"path": f"/proc/{os.getpid()}/fd/{fd}"})
+                    finally:
+                        os.close(fd)
+                else:
+                    self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", instance, data=_Body(*safetensors_stream(bucket)),
+                               headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+            got = self._call("POST", url, f"/weights/{uid}/commit", "a weight commit", instance)["version"]
+            if got != version:
+                raise RolloutServerError(f"rollout server {url} reports version {got} after the update, expected {version}")
+            self._committed[url] = (instance, version)
+            return got
 
     def fingerprints(self) -> list[dict]:
         return self._each(lambda url: self._call("GET", url, "/weights/fingerprint", "a fingerprint request"), self.urls)
