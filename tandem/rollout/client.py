@@ -35,7 +35,8 @@ class RolloutClient:
 
     Connection errors and 502/503/504 answers are retried with exponential backoff (0.1 s doubling
     to 5 s) until `server_timeout` seconds have passed for that call; every other 4xx/5xx fails at
-    once with the server's message. Every HTTP request has a connect and a read timeout.
+    once with the server's message, unless the server turns out to be a new process (below).
+    Every HTTP request has a connect and a read timeout.
 
     A server that comes back as a new process (a restart: its instance id changed) has lost its
     weights. The client pushes it the last weights it pushed (it keeps a CPU copy of them), with
