@@ -1,4 +1,4 @@
-"""The `tandem` command: train, init-model, demo."""
+"""The `tandem` command: train, rollout, init-model, merge, demo."""
 
 import argparse
 import logging
@@ -33,6 +33,18 @@ def _init_model(args: argparse.Namespace) -> int:
     model, _ = init_model(args.out, size=args.size, seed=args.seed, head_dim=args.head_dim)
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote a {args.size} Qwen2 model ({n / 1e6:.2f}M parameters) with tokenizer and chat template to {args.out}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from tandem.trainer.lora import export_merged
+
+    try:
+        out = export_merged(Path(args.checkpoint), Path(args.out))
+    except ValueError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote base model + adapters of {args.checkpoint} as one model to {out} (loads with AutoModelForCausalLM)")
     return 0
 
 
@@ -100,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random init")
     p.add_argument("--head-dim", type=int, default=0, help="attention head size (0: the size's own: 16, 32, 64); vLLM's CPU attention needs 64 or more")
     p.set_defaults(run=_init_model)
+
+    p = sub.add_parser("merge", help="write a LoRA checkpoint's base model with its adapters merged in, as one full model")
+    p.add_argument("checkpoint", help="a checkpoint folder of a use_peft run (holds adapter_config.json)")
+    p.add_argument("out", help="folder to write the merged model and tokenizer to (HF format)")
+    p.set_defaults(run=_merge)
 
     p = sub.add_parser("demo", help="learn single-digit addition by RL on a tiny model (2 CPU cores, a few minutes, no network)")
     p.add_argument("--output_dir", default="runs/demo", help="where the model, data and run go")

@@ -69,7 +69,7 @@ class RolloutClient:
         self.pool = ThreadPoolExecutor(max_workers=2 * len(self.urls) + 2, thread_name_prefix="tandem-client")
         self._same_host: dict[str, bool] = {}
         self._instances: dict[str, str] = {}  # url -> instance id of the server process we synced
-        self._last_pushed: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self._last_pushed: tuple[int, list[tuple[str, torch.Tensor]], bool] | None = None  # version, tensors, adapter
         self._resync_lock = threading.Lock()
         self._push_locks = {url: threading.Lock() for url in self.urls}
         self._committed: dict[str, tuple[str, int]] = {}  # url -> (instance id, version) of its last commit
@@ -136,8 +136,8 @@ class RolloutClient:
                 return  # another thread already did it
             self._instances[url] = health["instance_id"]  # calls below compare against the new process
             if self._last_pushed is not None:
-                version, named = self._last_pushed
-                self._push_one(url, named, version, force=True)
+                version, named, adapter = self._last_pushed
+                self._push_one(url, named, version, True, adapter)
             pushed = f"pushed weights version {self._last_pushed[0]} again" if self._last_pushed else "nothing pushed yet"
             log.warning(f"rollout server {url} restarted: it was unreachable for {restarted.down_seconds:.1f}s; {pushed}; repeating the request")
 
@@ -202,13 +202,15 @@ class RolloutClient:
 
         return [c for part in self._each(one, parts) for c in part]
 
-    def push_weights(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False) -> list[int]:
-        """Send every weight to every server as one atomic update that makes `version` live.
+    def push_weights(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False, adapter: bool = False) -> list[int]:
+        """Send every weight to every server as one atomic update that makes `version` live;
+        with `adapter`, LoRA factors and whole weights that the servers merge into their base
+        weights (tandem.rollout.adapters).
 
         The tensors are copied first: the copy is what a restarted server gets back, and the
         trainer may change its own weights while a generation with these is still in flight."""
         named = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in named]
-        self._last_pushed = (version, named)
+        self._last_pushed = (version, named, adapter)
 
         def one(url):
             # A server that restarts mid-update gets the whole update again, forced (it is at version 0).
@@ -217,13 +219,13 @@ class RolloutClient:
             def attempt():
                 forced = force or not first[0]
                 first[0] = False
-                return self._push_one(url, named, version, forced)
+                return self._push_one(url, named, version, forced, adapter)
 
             return self._retrying(attempt)
 
         return self._each(one, self.urls)
 
-    def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool) -> int:
+    def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool, adapter: bool) -> int:
         """One update to one server. Updates to a server run one at a time (a server keeps only
         its newest unfinished update), each bound to the process it began on; an update that
         process already committed (a resync by the generating thread) is not sent twice."""
@@ -231,7 +233,7 @@ class RolloutClient:
             instance = self._instances.get(url)
             if instance is not None and self._committed.get(url) == (instance, version):
                 return version
-            body = {"version": version, "force": force, "num_tensors": len(named)}
+            body = {"version": version, "force": force, "num_tensors": len(named), "adapter": adapter}
             uid = self._call("POST", url, "/weights/begin", "a weight update", instance, json=body)["update_id"]
             for bucket in buckets(named, self.bucket_bytes):
                 if self._use_shm(url):
@@ -296,6 +298,6 @@ class RemoteEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
         return self.client.generate(prompts, params, seeds, min_version=min_version, version_timeout=self.client.server_timeout)
 
-    def push(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False) -> None:
-        self.client.push_weights(named, version, force)
+    def push(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False, adapter: bool = False) -> None:
+        self.client.push_weights(named, version, force, adapter)
         self.version = version

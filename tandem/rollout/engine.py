@@ -46,6 +46,11 @@ class Engine(Protocol):
         called while a generate() call runs."""
         ...
 
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights live now, by weight_spec's names, as tensors the caller may keep: an
+        adapter update is merged into them (load_weights never changes them in place)."""
+        ...
+
     def fingerprint(self) -> str:
         """weights.fingerprint of the weights last loaded, as received, in the engine's dtype."""
         ...
@@ -101,6 +106,11 @@ class TransformersEngine:
 
     def weight_spec(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        # load_weights adopts new tensors (or copies into a weight whose dtype differs, which
+        # merged weights never do: they come in the base's dtype), so these are left as they are.
+        return {name: p.detach() for name, p in self.model.named_parameters()}
 
     def fingerprint(self) -> str:
         # Loading adopts the received tensors (or casts them into the weights), so the live

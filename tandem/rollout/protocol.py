@@ -68,6 +68,7 @@ class WeightUpdateBegin(_Strict):
     version: int = Field(..., ge=0, description="The version this update makes live; must be the current one + 1 unless force.")
     force: bool = Field(False, description="Accept any version (a trainer (re)starting makes the server match it).")
     num_tensors: int = Field(..., ge=1)
+    adapter: bool = Field(False, description="A LoRA adapter update: factors '<weight>.lora_A' and '<weight>.lora_B' (scale folded into B), and whole weights; served merged into the base weights.")
 
 
 class WeightUpdateHandle(BaseModel):
@@ -89,7 +90,9 @@ class WeightCommitResult(BaseModel):
 
 class Fingerprint(BaseModel):
     version: int
-    fingerprint: str
+    fingerprint: str  # of the weights served (merged, when an adapter is live)
+    base_fingerprint: str | None = None  # while an adapter is live: of the weights it is merged into
+    adapter_fingerprint: str | None = None  # while an adapter is live: of its tensors as received
 
 
 class ErrorBody(BaseModel):

@@ -183,7 +183,7 @@ def build_app(
 
     @app.post("/weights/begin", response_model=P.WeightUpdateHandle, responses=_responses(_AUTH, _BODY, _ENGINE, {409: "not the next version"}))
     async def begin(req: P.WeightUpdateBegin):
-        return P.WeightUpdateHandle(update_id=service.begin_update(req.version, req.force, req.num_tensors))
+        return P.WeightUpdateHandle(update_id=service.begin_update(req.version, req.force, req.num_tensors, req.adapter))
 
     @app.put(
         "/weights/{update_id}/chunk",
@@ -217,8 +217,7 @@ def build_app(
 
     @app.get("/weights/fingerprint", response_model=P.Fingerprint, responses=_responses(_AUTH, _ENGINE))
     def weights_fingerprint():
-        version, fp = service.fingerprint()
-        return P.Fingerprint(version=version, fingerprint=fp)
+        return P.Fingerprint(**service.fingerprint())
 
     return app
 

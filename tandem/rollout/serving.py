@@ -15,7 +15,8 @@ import torch
 
 from tandem.rollout.engine import Engine
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import check_weights, max_update_bytes
+from tandem.rollout.adapters import check_adapter, merge
+from tandem.rollout.weights import check_weights, fingerprint, max_update_bytes
 
 
 class NotReady(RuntimeError):
@@ -57,6 +58,7 @@ class _Staged:
     force: bool
     num_tensors: int
     capacity: int  # bytes this update may still receive: the model's size in F32, less what arrived or is on its way
+    adapter: bool = False  # LoRA factors to merge into the base weights (tandem.rollout.adapters)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -118,6 +120,9 @@ class RolloutService:
         self._running = 0  # engine calls in flight
         self._calls: ThreadPoolExecutor | None = None
         self._staged: dict[str, _Staged] = {}
+        # While an adapter is live: the full weights it is merged into, their fingerprint, and the adapter's.
+        self._base: tuple[dict[str, torch.Tensor], str] | None = None
+        self._adapter_fingerprint: str | None = None
         self._stopped = False
         self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0}
         self.instance_id = uuid.uuid4().hex
@@ -295,14 +300,14 @@ class RolloutService:
 
     # ------------------------------------------------------------------ weights
 
-    def begin_update(self, version: int, force: bool, num_tensors: int) -> str:
+    def begin_update(self, version: int, force: bool, num_tensors: int, adapter: bool = False) -> str:
         engine = self._need_engine()
         if not force and version != engine.version + 1:
             raise VersionConflict(f"update to version {version} refused: the server is at {engine.version}, the next is {engine.version + 1}")
         update_id = uuid.uuid4().hex
         capacity = max_update_bytes(engine.weight_spec())
         with self._cv:
-            self._staged = {update_id: _Staged(version, force, num_tensors, capacity)}  # an unfinished older update is dropped
+            self._staged = {update_id: _Staged(version, force, num_tensors, capacity, adapter)}  # an unfinished older update is dropped
         return update_id
 
     def reserve(self, update_id: str, nbytes: int) -> None:
@@ -326,10 +331,13 @@ class RolloutService:
     def stage(self, update_id: str, tensors: dict[str, torch.Tensor]) -> int:
         """Hold tensors of an update aside; nothing is live until commit. Returns tensors staged so far."""
         engine = self._need_engine()
-        check_weights(engine.weight_spec(), tensors, complete=False)  # early: a bad chunk fails as it arrives
         with self._cv:
             staged = self._staged.get(update_id)
-            if staged is None:
+        if staged is None:
+            raise UnknownUpdate(f"no weight update {update_id!r} in progress (a newer one replaced it, or it was committed)")
+        (check_adapter if staged.adapter else check_weights)(engine.weight_spec(), tensors, complete=False)  # early: a bad chunk fails as it arrives
+        with self._cv:
+            if self._staged.get(update_id) is not staged:
                 raise UnknownUpdate(f"no weight update {update_id!r} in progress (a newer one replaced it, or it was committed)")
             staged.tensors.update(tensors)
             return len(staged.tensors)
@@ -342,17 +350,29 @@ class RolloutService:
                 raise UnknownUpdate(f"no weight update {update_id!r} in progress")
             if len(staged.tensors) != staged.num_tensors:
                 raise ValueError(f"update {update_id} has {len(staged.tensors)} of {staged.num_tensors} tensors; send the rest before commit")
+        if staged.adapter:
+            check_adapter(engine.weight_spec(), staged.tensors, complete=True)
         with self._gate.exclusive():  # waits for the generation in flight
             if not staged.force and staged.version != engine.version + 1:
                 raise VersionConflict(f"update to version {staged.version} refused at commit: the server is now at {engine.version}")
-            engine.load_weights(staged.tensors)
+            if staged.adapter:
+                if self._base is None:  # the weights live now are full ones: they become the base
+                    self._base = (engine.base_weights(), engine.fingerprint())
+                engine.load_weights(merge(self._base[0], staged.tensors))
+                self._adapter_fingerprint = fingerprint(staged.tensors.items())
+            else:
+                engine.load_weights(staged.tensors)
+                self._base = self._adapter_fingerprint = None
             engine.version = staged.version
         with self._cv:
             self._staged.pop(update_id, None)
         self._version_changed()
         return staged.version
 
-    def fingerprint(self) -> tuple[int, str]:
+    def fingerprint(self) -> dict:
         engine = self._need_engine()
         with self._gate.shared():  # not during a commit
-            return engine.version, engine.fingerprint()
+            out = {"version": engine.version, "fingerprint": engine.fingerprint()}
+            if self._base is not None:
+                out |= {"base_fingerprint": self._base[1], "adapter_fingerprint": self._adapter_fingerprint}
+            return out

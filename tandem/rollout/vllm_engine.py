@@ -44,6 +44,7 @@ class VLLMEngine:
         self.dtype = getattr(torch, dtype)
         self._spec = checkpoint_spec(model_dir, self.dtype)
         self._fingerprint: str | None = None  # of the checkpoint, computed when first asked
+        self._full_update_loaded = False  # the weights live are no longer the checkpoint's
         args = AsyncEngineArgs(
             model=model_dir,
             dtype=dtype,
@@ -125,6 +126,16 @@ class VLLMEngine:
     def weight_spec(self) -> dict[str, torch.Tensor]:
         return self._spec
 
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        # The workers hold the weights fused and repacked, so the base is read from the checkpoint
+        # (in CPU memory, the model's size, while adapters are served).
+        if self._full_update_loaded:
+            raise ValueError(
+                "this vLLM server has served full weights pushed since it started and keeps no copy of them to merge an "
+                "adapter into; restart it (`tandem rollout --model <the base model>`) to serve a LoRA run"
+            )
+        return dict(_checkpoint_tensors(self.model_dir, self.dtype))
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         check_weights(self._spec, weights, complete=True)
         # vLLM's workers are other processes: they map a sealed memfd of ours by its /proc path
@@ -135,6 +146,7 @@ class VLLMEngine:
         finally:
             os.close(fd)
         self._fingerprint = fingerprint((name, t.to(self.dtype)) for name, t in weights.items())
+        self._full_update_loaded = True
 
     async def _reload(self, path: str) -> None:
         # "wait" lets requests in flight finish (the server's gate has drained them already) and

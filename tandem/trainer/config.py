@@ -85,6 +85,14 @@ class TrainConfig:
     bf16: bool | None = opt(None, "Train in bf16 mixed precision (through accelerate). Default (none): on with a CUDA GPU that computes bf16, as TRL; off on CPU, where most CPUs emulate bf16 (10-500x slower than fp32) and where tandem's exactness guarantees are stated in fp32.", "batch and schedule")
     ddp_timeout: float = opt(1800.0, "Seconds any collective between training processes may wait before the run fails.", "batch and schedule")
 
+    # --- LoRA (PEFT) ---
+    use_peft: bool = opt(False, "Train LoRA adapters (PEFT) instead of every weight; syncs push only the adapters, checkpoints hold them in PEFT's format (`tandem merge` writes the full model).", "LoRA")
+    lora_r: int = opt(16, "LoRA rank.", "LoRA")
+    lora_alpha: int = opt(32, "LoRA alpha: the adapters' output is scaled by lora_alpha / lora_r.", "LoRA")
+    lora_dropout: float = opt(0.05, "Dropout on the adapters' input while training (none while generating).", "LoRA")
+    lora_target_modules: list[str] | None = opt(None, "Linear modules to adapt, by name (q_proj v_proj ...), or all-linear; none uses PEFT's default for the architecture.", "LoRA")
+    lora_modules_to_save: list[str] | None = opt(None, "Modules trained in full beside the adapters (e.g. lm_head); pushed whole at each sync.", "LoRA")
+
     # --- loss ---
     loss_type: str = opt("dapo", f"How per-token losses are reduced: {', '.join(sorted(LOSS_TYPES))} (TRL's definitions).", "loss")
     beta: float = opt(0.0, "KL coefficient to the reference model (k3 estimator); 0 loads no reference model.", "loss")
@@ -192,6 +200,14 @@ class TrainConfig:
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or none")
         need(self.num_completions_to_log >= 0, "num_completions_to_log", "must be >= 0")
+        need(self.lora_r >= 1, "lora_r", "must be >= 1")
+        need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
+        need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
+        need(
+            self.lora_target_modules is None or self.lora_target_modules == ["all-linear"] or "all-linear" not in self.lora_target_modules,
+            "lora_target_modules",
+            "give all-linear alone, or module names",
+        )
         try:
             self.sampling_params().validate()
         except ValueError as exc:

@@ -31,7 +31,7 @@ from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerErro
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.weights import fingerprint
 from tandem.rollout.types import Rollout
-from tandem.trainer import checkpoint
+from tandem.trainer import checkpoint, lora
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
@@ -168,29 +168,52 @@ class Trainer:
             if info["vocab_size"] < len(self.tokenizer):
                 raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {len(self.tokenizer)}")
         if self.is_main:
-            mine = fingerprint(self._policy_weights())
-            if any(fp["fingerprint"] != mine or fp["version"] != self.version for fp in self.client.fingerprints()):
-                engine.push(self._policy_weights(), version=self.version, force=True)
+            served = self.client.fingerprints()
+            if cfg.use_peft:
+                self._check_base(served)
+            mine, key = fingerprint(self._policy_weights()), "adapter_fingerprint" if cfg.use_peft else "fingerprint"
+            if any(fp.get(key) != mine or fp["version"] != self.version for fp in served):
+                engine.push(self._policy_weights(), version=self.version, force=True, adapter=cfg.use_peft)
         engine.version = self.version
         self.accelerator.wait_for_everyone()
         return engine
 
-    def _verify_weights(self, version: int) -> None:
-        """Hash our weights in each server's dtype (its copy rounds the same way) and compare."""
+    def _served_as(self, named: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """weights.fingerprint of `named` as each server holds them: in its dtype."""
         hashes: dict[str, str] = {}
-        for url, info, fp in zip(self.config.rollout_server_urls, self.server_infos, self.client.fingerprints()):
-            dtype = getattr(torch, info["dtype"])
+        for info in self.server_infos:
             if info["dtype"] not in hashes:
-                hashes[info["dtype"]] = fingerprint((n, t.to(dtype)) for n, t in self._policy_weights())
-            mine = hashes[info["dtype"]]
-            if fp["fingerprint"] != mine or fp["version"] != version:
+                hashes[info["dtype"]] = fingerprint((n, t.to(getattr(torch, info["dtype"]))) for n, t in named)
+        return [hashes[info["dtype"]] for info in self.server_infos]
+
+    def _check_base(self, served: list[dict]) -> None:
+        """LoRA: every server's base weights (its full weights, under an adapter or not) are ours."""
+        for url, fp, mine in zip(self.config.rollout_server_urls, served, self._served_as(lora.base_weights(self._lm()))):
+            if (fp.get("base_fingerprint") or fp["fingerprint"]) != mine:
+                raise RolloutServerError(
+                    f"rollout server {url} serves other base weights than model_name_or_path={self.config.model_name_or_path} "
+                    f"(fingerprint {(fp.get('base_fingerprint') or fp['fingerprint'])[:12]}, trainer {mine[:12]}); adapters only fit "
+                    f"the model they are trained on: restart it as `tandem rollout --model {self.config.model_name_or_path}`"
+                )
+
+    def _verify_weights(self, version: int) -> None:
+        """Hash our weights in each server's dtype (its copy rounds the same way) and compare;
+        adapters are hashed as sent (the server keeps them as received)."""
+        served = self.client.fingerprints()
+        if self.config.use_peft:
+            mine_each, key = [fingerprint(self._policy_weights())] * len(served), "adapter_fingerprint"
+        else:
+            mine_each, key = self._served_as(self._policy_weights()), "fingerprint"
+        for url, fp, mine in zip(self.config.rollout_server_urls, served, mine_each):
+            if fp.get(key) != mine or fp["version"] != version:
                 raise RolloutServerError(
                     f"rollout server {url} holds different weights after the push of version {version} "
-                    f"(server version {fp['version']}, fingerprint {fp['fingerprint'][:12]}, trainer {mine[:12]})"
+                    f"(server version {fp['version']}, {key} {(fp.get(key) or 'none')[:12]}, trainer {mine[:12]})"
                 )
 
     def _policy_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self._lm().named_parameters())
+        """What a sync pushes: every weight, or with LoRA the adapters."""
+        return lora.adapter_weights(self._lm()) if self.config.use_peft else list(self._lm().named_parameters())
 
     def _lm(self) -> torch.nn.Module:
         """The causal LM being trained, outside DDP and the prefix-sharing wrapper."""
@@ -253,7 +276,7 @@ class Trainer:
         scores = self._advantages(rnd)
         C = max(1, max(len(r.completion_ids) for r in rollouts))
         old_logps = _pad_rows(self._logprobs_no_grad(self.model, rollouts), C) if need_proximal else None  # (N_rank, C)
-        ref_logps = _pad_rows(self._logprobs_no_grad(self.ref_model, rollouts), C) if self.ref_model is not None else None
+        ref_logps = _pad_rows(self._reference_logprobs(rollouts), C) if cfg.beta != 0.0 else None
         behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C) if off_policy else None  # (N_rank, C)
         staleness = self._staleness(rollouts) if cfg.async_generate else {}
 
@@ -434,12 +457,19 @@ class Trainer:
             if self.world > 1:
                 self.accelerator.wait_for_everyone()
         if self.client is not None and self.is_main:
-            self.engine.push(self._policy_weights(), self.version)
+            self.engine.push(self._policy_weights(), self.version, adapter=self.config.use_peft)
             if self.config.verify_weight_sync:
                 self._verify_weights(self.version)
         self.engine.version = self.version
         self.producer.set_live_version(self.version)
         return time.perf_counter() - t
+
+    def _reference_logprobs(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        """Log-probs of the reference model: with LoRA, the policy with its adapters disabled."""
+        if self.ref_model is not None:
+            return self._logprobs_no_grad(self.ref_model, rollouts)
+        with self._lm().disable_adapter():
+            return self._logprobs_no_grad(self.model, rollouts)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, model, rollouts: list[Rollout]) -> list[torch.Tensor]:

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from tandem.data import encode_prompt, load_prompt_dataset
 from tandem.rollout.weights import host_id
 from tandem.trainer.batch import PrefixSharingLM
-from tandem.trainer.config import TrainConfig
+from tandem.trainer import lora
+from tandem.trainer.config import ConfigError, TrainConfig
 from tandem.trainer.producer import PromptTable
 
 
@@ -38,14 +39,20 @@ def load_prompts(config: TrainConfig, tokenizer) -> tuple[PromptTable, int]:
 
 def build_policy(config: TrainConfig, resume_dir: Path | None, device) -> tuple[torch.nn.Module, PrefixSharingLM | None, torch.optim.Optimizer, object]:
     """The policy (from the checkpoint when resuming), the frozen reference model when beta > 0
-    (from the starting weights), AdamW and the learning-rate schedule."""
-    model = AutoModelForCausalLM.from_pretrained(resume_dir or config.model_name_or_path)
+    (from the starting weights; None with LoRA, whose reference is the policy with its adapters
+    disabled), AdamW over the trainable weights and the learning-rate schedule."""
+    if config.use_peft:
+        model = lora.adapt(config, AutoModelForCausalLM.from_pretrained(config.model_name_or_path), resume_dir)
+    else:
+        if resume_dir is not None and (resume_dir / "adapter_config.json").is_file():
+            raise ConfigError(f"checkpoint {resume_dir} holds LoRA adapters: resume it with use_peft true")
+        model = AutoModelForCausalLM.from_pretrained(resume_dir or config.model_name_or_path)
     ref_model = None
-    if config.beta != 0.0:
+    if config.beta != 0.0 and not config.use_peft:
         ref = AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(device)
         ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],
         lr=config.learning_rate,
         betas=(config.adam_beta1, config.adam_beta2),
         weight_decay=config.weight_decay,
