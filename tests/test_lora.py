@@ -191,6 +191,8 @@ def test_a_lora_trainer_refuses_a_server_with_another_base_model(tiny_model, dat
     [
         (["--lora_target_modules", "q_proj", "attn_out"], "lora_target_modules=['q_proj', 'attn_out']: ['attn_out'] name no linear module"),
         (["--lora_modules_to_save", "head"], "lora_modules_to_save=['head']: ['head'] name no module"),
+        (["--lora_modules_to_save", "lm_head"], "lora_modules_to_save=['lm_head']: ['lm_head'] share one weight with ['model.embed_tokens']"),
+        (["--lora_target_modules", "q_proj", "lm_head"], "['lm_head'] share one weight"),  # the tiny model ties them
         (["--lora_r", "0"], "lora_r=0: must be >= 1"),
         (["--lora_dropout", "1.0"], "lora_dropout=1.0: must be in [0, 1)"),
         (["--lora_target_modules", "all-linear", "q_proj"], "lora_target_modules=['all-linear', 'q_proj']: give all-linear alone"),

@@ -122,3 +122,23 @@ def test_a_killed_server_stops_the_run_naming_it_and_a_restarted_one_is_resynced
     assert trainer.returncode == 0, stderr[-3000:]
     assert f"rollout server {server.url} restarted: it was unreachable for" in stderr
     assert [m["step"] for m in read(out)[0]] == list(range(1, 9))
+
+
+def test_lora_against_a_vllm_server_generates_from_the_merged_adapters(model64, data, tmp_path):
+    server = Server(model64, *VLLM_SERVER)  # its own: a full update since start would leave it no base to merge into
+    try:
+        lora = ["--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_dropout", "0.0", "--verify_weight_sync", "true"]
+        train(1, base_args(model64, data, tmp_path / "run", 16, "--max_steps", "4", *served(server), *lora))
+        metrics, completions = read(tmp_path / "run")
+        assert [m["policy_version"] for m in metrics] == [1, 2, 3, 4]
+        assert {c["policy_version"] for c in completions if c["round"] == 3} == {3}
+        # vLLM serves base + B @ A merged in fp32; the trainer runs the adapter layers: the same
+        # distribution up to rounding, so the behaviour and trainer log-probs agree closely.
+        assert max(m["kl_behav_proximal"] for m in metrics) < 1e-6
+        # After a full fine-tuning run's pushes the server's weights are no longer the base: refused.
+        train(1, base_args(model64, data, tmp_path / "full", 16, "--max_steps", "1", *served(server)))
+        proc = subprocess.run(command(1, base_args(model64, data, tmp_path / "again", 16, "--max_steps", "1", *served(server), *lora)),
+                              capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
+    finally:
+        server.stop()
+    assert proc.returncode == 1 and "serves other base weights" in proc.stderr, proc.stderr[-2000:]

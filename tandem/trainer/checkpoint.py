@@ -1,7 +1,8 @@
 """Checkpoints written atomically: a crash mid-save never leaves a broken `latest`.
 
 A checkpoint folder holds the model and tokenizer in HF format (loads with
-AutoModelForCausalLM.from_pretrained), config.yaml, trainer_state.json (step, policy version,
+AutoModelForCausalLM.from_pretrained; with use_peft, the adapters in PEFT's format, which
+PeftModel.from_pretrained loads), config.yaml, trainer_state.json (step, policy version,
 sampler position, next round), optimizer.pt and scheduler.pt, and per rank rng_state_{rank}.pt and
 rounds_{rank}.json (rounds generated ahead of training in async mode). Everything is written into
 a hidden temporary folder, fsynced, and renamed into place; only then does `latest` move.

@@ -5,6 +5,7 @@ the adapters disabled, so no second copy is held. A sync pushes the adapters onl
 tandem.rollout.adapters says; a checkpoint holds them in PEFT's format.
 """
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -50,6 +51,16 @@ def lora_config(config: TrainConfig, model: torch.nn.Module):
     if missing:
         top = sorted({n.rsplit(".", 1)[-1] for n in modules if not n.split(".")[-1].isdigit()})
         raise ConfigError(f"lora_modules_to_save={config.lora_modules_to_save!r}: {missing} name no module of {config.model_name_or_path}; its modules are {top}")
+    if getattr(model.config, "tie_word_embeddings", False):
+        embeddings = {n for n, m in model.named_modules() if m is model.get_input_embeddings() or m is model.get_output_embeddings()}
+        for option in ("lora_target_modules", "lora_modules_to_save"):
+            given = getattr(config, option) or []
+            tied = [m for m in given if m != "all-linear" and _matches(m, sorted(embeddings))]
+            if tied:
+                raise ConfigError(
+                    f"{option}={given!r}: {tied} share one weight with {sorted(embeddings - set(tied)) or 'another module'} "
+                    "(tie_word_embeddings): training it would untie them; leave it out"
+                )
     return peft.LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
@@ -63,11 +74,14 @@ def lora_config(config: TrainConfig, model: torch.nn.Module):
 def adapt(config: TrainConfig, model: torch.nn.Module, resume_dir: Path | None) -> torch.nn.Module:
     """The base model with trainable adapters: new ones, or the checkpoint's when resuming."""
     peft = _peft()
-    if resume_dir is not None:
-        if not (resume_dir / "adapter_config.json").is_file():
-            raise ConfigError(f"use_peft=True: checkpoint {resume_dir} holds a full model, not adapters; resume it with use_peft false")
-        return peft.PeftModel.from_pretrained(model, resume_dir, is_trainable=True)
-    return peft.get_peft_model(model, lora_config(config, model))
+    if resume_dir is not None and not (resume_dir / "adapter_config.json").is_file():
+        raise ConfigError(f"use_peft=True: checkpoint {resume_dir} holds a full model, not adapters; resume it with use_peft false")
+    with warnings.catch_warnings():
+        # PEFT asks transformers 5 a question under its deprecated name, once per model
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        if resume_dir is not None:
+            return peft.PeftModel.from_pretrained(model, resume_dir, is_trainable=True)
+        return peft.get_peft_model(model, lora_config(config, model))
 
 
 def adapter_weights(model) -> list[tuple[str, torch.Tensor]]:
