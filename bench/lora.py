@@ -8,6 +8,7 @@ step of 8 completions (one prompt, 8 generations) of up to 256 tokens. `--batch 
 --max_completion_length 64` is bench/vs_trl.py's long shape. LoRA: use_peft with TRL's
 defaults (lora_r 16, alpha 32, dropout 0.05) on all-linear. Each configuration trains in its own
 process, colocated and then against a `tandem rollout` server (sync), one after the other.
+A last run repeats LoRA colocated with lora_dropout 0.
 Printed per configuration: peak resident memory of the training process (ru_maxrss), median
 seconds of the training phase and of a whole step after the first 2 steps, median seconds of a
 weight sync, and the bytes a sync pushes (the tensors the trainer sends, as sent: fp32).
@@ -81,17 +82,19 @@ def main() -> None:
                 for mode, extra in (("colocate", []), ("server", ["--rollout_mode", "server", "--rollout_server_urls", url])):
                     rows[name, mode] = run(model_dir, data, tmp / f"{name}-{mode}", args, opts, extra)
                     print(f"{name} {mode}: {rows[name, mode]}", flush=True)
+            # Dropout makes each adapted layer keep its own dropped copy of its input for backward.
+            rows["lora dropout 0", "colocate"] = run(model_dir, data, tmp / "lora0", args, [*lora, "--lora_dropout", "0"], [])
         finally:
             server.terminate()
             server.wait(timeout=30)
     print(f"\nmedium model (25M parameters), fp32, {torch.get_num_threads()} threads, {args.batch} completions of up to {args.max_completion_length} tokens per step")
-    print(f"{'':18} {'peak MiB':>9} {'train s':>8} {'step s':>7} {'sync s':>7} {'bytes/sync':>11}")
+    print(f"{'':27} {'peak MiB':>9} {'train s':>8} {'step s':>7} {'sync s':>7} {'bytes/sync':>11}")
     for (name, mode), r in rows.items():
-        pushed = (lora_bytes if name == "lora" else full_bytes) if mode == "server" else 0
-        print(f"{name + ' ' + mode:18} {r['peak_mib']:9.0f} {r['train']:8.3f} {r['step']:7.3f} {r['sync']:7.3f} {pushed:11,d}")
-    for mode in ("colocate", "server"):
-        f, l = rows["full", mode], rows["lora", mode]
-        print(f"lora / full, {mode}: peak memory {l['peak_mib'] / f['peak_mib']:.2f}x, train {l['train'] / f['train']:.2f}x, step {l['step'] / f['step']:.2f}x")
+        pushed = (full_bytes if name == "full" else lora_bytes) if mode == "server" else 0
+        print(f"{name + ' ' + mode:27} {r['peak_mib']:9.0f} {r['train']:8.3f} {r['step']:7.3f} {r['sync']:7.3f} {pushed:11,d}")
+    for name, mode in (("lora", "colocate"), ("lora", "server"), ("lora dropout 0", "colocate")):
+        f, l = rows["full", mode], rows[name, mode]
+        print(f"{name} / full, {mode}: peak memory {l['peak_mib'] / f['peak_mib']:.2f}x, train {l['train'] / f['train']:.2f}x, step {l['step'] / f['step']:.2f}x")
     print(f"bytes per sync: lora {lora_bytes:,d} / full {full_bytes:,d} = {lora_bytes / full_bytes:.4f}")
 
 
