@@ -2,6 +2,7 @@
 the server merging pushed adapters, the merged export, and bad options."""
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -211,3 +212,27 @@ def test_a_lora_checkpoint_resumed_without_use_peft_is_refused(tiny_model, data,
     train(1, base_args(tiny_model, data, tmp_path / "run", 32, *LORA, "--max_steps", "1"))
     proc = run_cli("train", *base_args(tiny_model, data, tmp_path / "run", 32, "--max_steps", "2", "--resume_from_checkpoint", "latest"))
     assert proc.returncode == 2 and "holds LoRA adapters: resume it with use_peft true" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_adapter_updates_are_checked_and_merged_as_base_plus_b_a():
+    from tandem.rollout.adapters import check_adapter, merge
+
+    g = torch.Generator().manual_seed(0)
+    spec = {"q.weight": torch.randn(4, 3, generator=g), "norm.weight": torch.randn(3, generator=g)}
+    a, b = torch.randn(2, 3, generator=g), torch.randn(4, 2, generator=g)
+    update = {"q.weight.lora_A": a, "q.weight.lora_B": b}
+    check_adapter(spec, update, complete=True)
+    merged = merge(spec, update)
+    torch.testing.assert_close(merged["q.weight"], spec["q.weight"] + b @ a)
+    assert merged["norm.weight"] is spec["norm.weight"]  # untouched weights are not copied
+    refused = {
+        "arrived without its partner 'q.weight.lora_B'": {"q.weight.lora_A": a},
+        "lora_A has rank 2, lora_B rank 3": {"q.weight.lora_A": a, "q.weight.lora_B": torch.ones(4, 3)},
+        "no 2-D weight 'norm.weight'": {"norm.weight.lora_A": a},
+        "lora_B is 2-D with 4 rows": {"q.weight.lora_B": torch.ones(5, 2)},
+        "also arrived whole": {"q.weight": spec["q.weight"], "q.weight.lora_A": a},
+        "NaN or inf": {"q.weight.lora_A": torch.full((2, 3), float("nan")), "q.weight.lora_B": b},
+    }
+    for message, bad in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_adapter(spec, bad, complete=True)

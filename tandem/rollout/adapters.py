@@ -28,31 +28,30 @@ def check_adapter(spec: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor
     """Raise ValueError unless every tensor is a LoRA factor that fits a 2-D weight of the
     served model, or a whole weight (check_weights' rules). When `complete`, every factor has
     its partner and the two agree on the rank."""
-    check_weights(spec, {n: t for n, t in tensors.items() if target_of(n)[1] is None}, complete=False)
-    factors = {n: t for n, t in tensors.items() if target_of(n)[1] is not None}
+    whole = {n: t for n, t in tensors.items() if target_of(n)[1] is None}
+    factors = {n: t for n, t in tensors.items() if n not in whole}
+    check_weights(spec, whole, complete=False)
     for name, t in factors.items():
         target, factor = target_of(name)
         base = spec.get(target)
         if base is None or base.dim() != 2:
             raise ValueError(f"adapter tensor {name!r}: the served model has no 2-D weight {target!r}")
+        if target in whole:
+            raise ValueError(f"adapter tensor {name!r}: {target!r} also arrived whole; send a weight either whole or as LoRA factors")
         fits = t.dim() == 2 and (t.shape[1] == base.shape[1] if factor == "A" else t.shape[0] == base.shape[0])
         if not fits:
             need = f"{base.shape[1]} columns" if factor == "A" else f"{base.shape[0]} rows"
             raise ValueError(f"adapter tensor {name!r}: shape {tuple(t.shape)} does not fit {target!r} {tuple(base.shape)}; lora_{factor} is 2-D with {need}")
         check_values(name, t)
     if complete:
-        for name, a in factors.items():
+        for name in factors:
             target, factor = target_of(name)
-            if factor != "A":
-                continue
-            b = factors.get(target + LORA_B)
-            if b is None:
-                raise ValueError(f"adapter tensor {name!r} arrived without its partner {target + LORA_B!r}")
+            partner = target + (LORA_B if factor == "A" else LORA_A)
+            if partner not in factors:
+                raise ValueError(f"adapter tensor {name!r} arrived without its partner {partner!r}")
+            a, b = factors[target + LORA_A], factors[target + LORA_B]
             if a.shape[0] != b.shape[1]:
                 raise ValueError(f"adapter tensors of {target!r}: lora_A has rank {a.shape[0]}, lora_B rank {b.shape[1]}")
-        orphans = [n for n in factors if target_of(n)[1] == "B" and target_of(n)[0] + LORA_A not in factors]
-        if orphans:
-            raise ValueError(f"adapter tensor {orphans[0]!r} arrived without its partner {target_of(orphans[0])[0] + LORA_A!r}")
 
 
 def merge(base: dict[str, torch.Tensor], update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
