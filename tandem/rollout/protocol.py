@@ -91,8 +91,8 @@ class WeightCommitResult(BaseModel):
 class Fingerprint(BaseModel):
     version: int
     fingerprint: str  # of the weights served (merged, when an adapter is live)
-    base_fingerprint: str | None = None  # while an adapter is live: of the weights it is merged into
-    adapter_fingerprint: str | None = None  # while an adapter is live: of its tensors as received
+    base_fingerprint: str | None = None  # only while an adapter is live: of the weights it is merged into
+    adapter_fingerprint: str | None = None  # only while an adapter is live: of its tensors as received
 
 
 class ErrorBody(BaseModel):

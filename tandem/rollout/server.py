@@ -215,7 +215,7 @@ def build_app(
         version = service.commit(update_id)
         return P.WeightCommitResult(version=version, fingerprint="")
 
-    @app.get("/weights/fingerprint", response_model=P.Fingerprint, responses=_responses(_AUTH, _ENGINE))
+    @app.get("/weights/fingerprint", response_model=P.Fingerprint, response_model_exclude_none=True, responses=_responses(_AUTH, _ENGINE))
     def weights_fingerprint():
         return P.Fingerprint(**service.fingerprint())
 
