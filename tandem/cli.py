@@ -1,4 +1,4 @@
-"""The `tandem` command: train, rollout, init-model, merge, demo."""
+"""The `tandem` command: train, rollout, init-model, merge, eval, plot, show, demo."""
 
 import argparse
 import logging
@@ -48,6 +48,44 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show(args: argparse.Namespace) -> int:
+    from tandem.show import read_completions, table
+
+    try:
+        print(table(read_completions(Path(args.run_dir)), args.step, args.width))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from tandem.trainer.config import ConfigError
+    from tandem.trainer.eval import format_table, run_eval, write_json
+
+    if args.num_generations < 1:
+        raise ConfigError(f"num_generations={args.num_generations}: must be >= 1")
+    results = run_eval(args.model, args.dataset, args.reward_funcs, args.reward_weights, args.num_generations, args.greedy,
+                       args.max_completion_length, args.temperature, args.max_prompt_length, args.pass_threshold, args.seed)  # fmt: skip
+    print(f"{args.model} on {args.dataset}:\n{format_table(results)}")
+    write_json(results, Path(args.out), {"model": args.model, "dataset": args.dataset, "reward_funcs": args.reward_funcs, "greedy": args.greedy})
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from tandem.plot import plot
+
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "plot.png"
+    try:
+        plot([Path(d) for d in args.run_dirs], out, args.smooth)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     import time
 
@@ -67,6 +105,9 @@ def _demo(args: argparse.Namespace) -> int:
     config.validate()
     train(config)
     _print_demo_summary(out / "run" / "metrics.jsonl", time.perf_counter() - t0)
+    from tandem.plot import plot
+
+    print(f"demo: curves in {plot([out / 'run'], out / 'run' / 'plot.png', window=10)}; `tandem show {out / 'run'}` prints the last completions")
     return 0
 
 
@@ -117,6 +158,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint folder of a use_peft run (holds adapter_config.json)")
     p.add_argument("out", help="folder to write the merged model and tokenizer to (HF format)")
     p.set_defaults(run=_merge)
+
+    p = sub.add_parser("eval", help="evaluate a model or checkpoint on prompts: mean rewards, pass@1 and pass@k; prints a table, writes JSON",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--model", required=True, help="model folder, a run's checkpoint (LoRA ones too) or hub name")
+    p.add_argument("--dataset", required=True, help="prompts, as dataset_name takes them (a 'prompt' column; other columns reach the rewards)")
+    p.add_argument("--reward_funcs", nargs="+", required=True, help="as in tandem train: built-in names, 'file.py:fn' or 'module:fn'")
+    p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function (default all 1.0)")
+    p.add_argument("--num_generations", type=int, default=4, help="completions per prompt, from fixed seeds (k of pass@k)")
+    p.add_argument("--greedy", action="store_true", help="one greedy completion per prompt instead")
+    p.add_argument("--max_completion_length", type=int, default=256, help="most tokens per completion")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--max_prompt_length", type=int, default=512, help="longest prompt in tokens (longer ones are an error)")
+    p.add_argument("--pass_threshold", type=float, default=1.0, help="a completion passes when its weighted reward is at least this")
+    p.add_argument("--seed", type=int, default=42, help="seed of the completions")
+    p.add_argument("--out", default="eval.json", help="JSON file to write the results to")
+    p.set_defaults(run=_eval)
+
+    p = sub.add_parser("plot", help="draw runs' curves (reward, lengths, KL, clipping, staleness, time per phase, tokens/s) as a PNG")
+    p.add_argument("run_dirs", nargs="+", help="output_dir of one or more `tandem train` runs (reads metrics.jsonl); several are overlaid")
+    p.add_argument("--out", default=None, help="PNG to write (default: plot.png in the first run's folder)")
+    p.add_argument("--smooth", type=int, default=1, help="moving average over this many steps (1: none)")
+    p.set_defaults(run=_plot)
+
+    p = sub.add_parser("show", help="print a run's logged completions as a table: rewards, advantage, version, prompt, completion")
+    p.add_argument("run_dir", help="the output_dir of a `tandem train` run (reads its completions.jsonl)")
+    p.add_argument("--step", type=int, default=None, help="the step to show (default: the last one logged)")
+    p.add_argument("--width", type=int, default=None, help="line width (default: the terminal's)")
+    p.set_defaults(run=_show)
 
     p = sub.add_parser("demo", help="learn single-digit addition by RL on a tiny model (2 CPU cores, a few minutes, no network)")
     p.add_argument("--output_dir", default="runs/demo", help="where the model, data and run go")

@@ -16,6 +16,7 @@ import yaml
 from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRECTIONS, SCALE_REWARDS
 from tandem.data import PROMPT_TRUNCATION
 from tandem.rollout.types import SamplingParams
+from tandem.trainer.trackers import check_report_to
 
 ROLLOUT_MODES = ("colocate", "server")
 NONFINITE_POLICIES = ("skip", "error")
@@ -103,12 +104,20 @@ class TrainConfig:
     scale_rewards: str = opt("group", "Divide advantages by the std of the 'group', the 'batch', or 'none' (Dr. GRPO).", "loss")
     mask_truncated_completions: bool = opt(False, "Leave completions that hit max_completion_length out of the loss.", "loss")
 
+    # --- evaluation ---
+    eval_dataset: str | None = opt(None, "Held-out prompts (same formats as dataset_name), evaluated by the run's engine with the current weights; eval/* metrics go to eval.jsonl and the trackers.", "evaluation")
+    eval_steps: int = opt(0, "Evaluate every this many steps; 0 evaluates once, at the end of training.", "evaluation")
+    eval_num_generations: int = opt(4, "Completions per eval prompt, from fixed seeds (k of pass@k).", "evaluation")
+    eval_greedy: bool = opt(False, "One greedy completion per eval prompt instead of eval_num_generations samples.", "evaluation")
+    eval_pass_threshold: float = opt(1.0, "A completion passes (for pass@k) when its weighted reward is at least this.", "evaluation")
+
     # --- logging and checkpoints ---
     save_steps: int = opt(500, "Save a checkpoint every this many steps (at the end of the round that reaches it, and at the end of training); 0 saves only at the end.", "logging and checkpoints")
     save_total_limit: int | None = opt(None, "Keep only the newest this many checkpoints; none keeps all.", "logging and checkpoints")
     resume_from_checkpoint: str | None = opt(None, "Continue a run exactly: a checkpoint folder, or 'latest' for the newest complete one in output_dir.", "logging and checkpoints")
     num_completions_to_log: int = opt(4, "Completions written to completions.jsonl each step.", "logging and checkpoints")
     disable_tqdm: bool = opt(False, "Hide the progress bar.", "logging and checkpoints")
+    report_to: list[str] = opt(["none"], "Experiment trackers that get every metric of metrics.jsonl at the same steps: tensorboard (in output_dir/tandem), wandb (completions as a table too), trackio, or none.", "logging and checkpoints")
 
     def __post_init__(self):
         if self.steps_per_generation is None:
@@ -200,6 +209,9 @@ class TrainConfig:
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or none")
         need(self.num_completions_to_log >= 0, "num_completions_to_log", "must be >= 0")
+        need(check_report_to(self.report_to) is None, "report_to", check_report_to(self.report_to) or "")
+        need(self.eval_steps >= 0, "eval_steps", "must be >= 0 (0 evaluates at the end only)")
+        need(self.eval_num_generations >= 1, "eval_num_generations", "must be >= 1")
         need(self.lora_r >= 1, "lora_r", "must be >= 1")
         need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
         need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")

@@ -31,9 +31,10 @@ from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerErro
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.weights import fingerprint
 from tandem.rollout.types import Rollout
-from tandem.trainer import checkpoint, lora
+from tandem.trainer import checkpoint, lora, trackers
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig
+from tandem.trainer.eval import evaluate, sampling
 from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
 from tandem.trainer.producer import AsyncProducer, Round, SyncProducer, completion_seed
 from tandem.trainer.setup import build_policy, load_prompts, resolve_bf16, trainer_threads
@@ -72,6 +73,8 @@ class Trainer:
         self.accelerator = Accelerator(
             mixed_precision="bf16" if config.bf16 else "no",
             kwargs_handlers=[pg_timeout],
+            log_with=trackers.log_with(config.report_to),
+            project_dir=config.output_dir,
             # accelerate only sets up a multi-process CPU run (gloo) under torchrun when told it is on CPU
             cpu=not torch.cuda.is_available(),
         )
@@ -86,6 +89,8 @@ class Trainer:
             print(f"tandem: resolved config ({self.world} process(es))\n{resolved}", flush=True)
             for warning in config.warnings() + ([bf16_warning] if bf16_warning else []):
                 print(f"tandem: warning: {warning}", file=sys.stderr, flush=True)
+        if trackers.log_with(config.report_to):
+            self.accelerator.init_trackers("tandem", config=trackers.hyperparameters(config.to_dict()), init_kwargs={"wandb": {"dir": str(self.out)}})
 
         # Cheap checks first: reward functions and the dataset fail before the model loads.
         self.reward_fns = rewards_lib.load_rewards(config.reward_funcs, config.reward_weights)
@@ -94,6 +99,7 @@ class Trainer:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.table, self.skipped_prompts = load_prompts(config, self.tokenizer)
+        self.eval_table = load_prompts(config, self.tokenizer, config.eval_dataset)[0] if config.eval_dataset else None
         if self.skipped_prompts and self.is_main:
             print(f"tandem: skipped {self.skipped_prompts} prompts longer than max_prompt_length={config.max_prompt_length}")
 
@@ -138,12 +144,14 @@ class Trainer:
             if self.is_main:
                 truncate_log(self.out / "metrics.jsonl", self.global_step)
                 truncate_log(self.out / "completions.jsonl", self.global_step)
+                truncate_log(self.out / "eval.jsonl", self.global_step)
                 print(f"tandem: resumed from {self.resume_dir} at step {self.global_step}, policy version {self.version}", flush=True)
         self._sampler_state = state["sampler"] if state else self.sampler.state_dict()  # after the last trained round
         self.producer.start(state["round"] if state else 0, ready)
         self.producer.set_live_version(self.version)
         self.metrics_log = JsonlWriter(self.out / "metrics.jsonl") if self.is_main else None
         self.completions_log = JsonlWriter(self.out / "completions.jsonl") if self.is_main else None
+        self.eval_log = JsonlWriter(self.out / "eval.jsonl") if self.is_main and self.eval_table is not None else None
 
     def _connect(self) -> RemoteEngine:
         """Wait for the servers, then make them hold the trainer's weights and version. A server
@@ -230,6 +238,8 @@ class Trainer:
             while self.global_step < cfg.max_steps:
                 before = self.global_step
                 last = self._train_round(bar) or last
+                if self.eval_table is not None and (self.global_step >= cfg.max_steps or (cfg.eval_steps and before // cfg.eval_steps != self.global_step // cfg.eval_steps)):
+                    self._evaluate()
                 if cfg.save_steps and before // cfg.save_steps != self.global_step // cfg.save_steps:
                     self.save()  # at the end of the round that crossed a multiple of save_steps
                     saved_at = self.global_step
@@ -240,6 +250,20 @@ class Trainer:
         if saved_at != self.global_step:
             self.save()
         return last
+
+    def _evaluate(self) -> None:
+        """eval/* on the held-out prompts, by rank 0 with the weights live now (between rounds)."""
+        cfg = self.config
+        if self.is_main:
+            G = 1 if cfg.eval_greedy else cfg.eval_num_generations
+            with self.accelerator.autocast():
+                results = evaluate(self.engine, self.tokenizer, self.eval_table, self.reward_fns, sampling(cfg.sampling_params(), cfg.eval_greedy),
+                                   G, cfg.seed, cfg.eval_pass_threshold, min_version=self.version)  # fmt: skip
+            self.eval_log.write({"step": self.global_step, **results})
+            self.accelerator.log(results, step=self.global_step)
+            shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in results.items() if k in ("eval/reward", "eval/pass@1", f"eval/pass@{G}"))
+            print(f"tandem: step {self.global_step} eval on {len(self.eval_table.prompt_ids)} prompts: {shown}", flush=True)
+        self.accelerator.wait_for_everyone()
 
     def _emergency_save(self, saved_at: int) -> str:
         """The servers are gone: keep what was trained (we are between rounds) and say how to go on."""
@@ -532,13 +556,16 @@ class Trainer:
         if not self.is_main:
             return
         self.metrics_log.write(record)
+        self.accelerator.log(trackers.scalars(record), step=record["step"])
         bar.update(1)
         bar.set_postfix(reward=f"{record['reward']:.3f}", tok_s=f"{record['completion_tokens_per_second']:.0f}", loss=f"{record['loss']:.4f}")
 
     def _log_completions(self, rnd, all_rewards, advantages_all) -> None:
         if self.is_main and self.config.num_completions_to_log:
-            for line in completion_records(rnd, self.tokenizer, self.reward_names, all_rewards, advantages_all, self.global_step, self.config.num_completions_to_log):
+            lines = completion_records(rnd, self.tokenizer, self.reward_names, all_rewards, advantages_all, self.global_step, self.config.num_completions_to_log)
+            for line in lines:
                 self.completions_log.write(line)
+            trackers.log_completions(self.accelerator, lines, self.global_step)
 
     def save(self) -> Path | None:
         """A checkpoint every rank contributes to (its RNG state and the rounds it generated
@@ -585,7 +612,7 @@ class Trainer:
         self.producer.close()
         if self.client is not None:
             self.client.close()
-        for w in (self.metrics_log, self.completions_log):
+        for w in (self.metrics_log, self.completions_log, self.eval_log):
             if w is not None:
                 w.close()
         if ok:

@@ -6,6 +6,7 @@ tandem.rollout.adapters says; a checkpoint holds them in PEFT's format.
 """
 
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -73,15 +74,26 @@ def lora_config(config: TrainConfig, model: torch.nn.Module):
 
 def adapt(config: TrainConfig, model: torch.nn.Module, resume_dir: Path | None) -> torch.nn.Module:
     """The base model with trainable adapters: new ones, or the checkpoint's when resuming."""
-    peft = _peft()
-    if resume_dir is not None and not (resume_dir / "adapter_config.json").is_file():
-        raise ConfigError(f"use_peft=True: checkpoint {resume_dir} holds a full model, not adapters; resume it with use_peft false")
+    if resume_dir is not None:
+        if not (resume_dir / "adapter_config.json").is_file():
+            raise ConfigError(f"use_peft=True: checkpoint {resume_dir} holds a full model, not adapters; resume it with use_peft false")
+        return load_adapters(model, resume_dir, trainable=True)
+    with _quiet():
+        return _peft().get_peft_model(model, lora_config(config, model))
+
+
+def load_adapters(model: torch.nn.Module, folder: Path, trainable: bool = False):
+    """The base model with the adapters saved in `folder` (PEFT's format)."""
+    with _quiet():
+        return _peft().PeftModel.from_pretrained(model, folder, is_trainable=trainable)
+
+
+@contextmanager
+def _quiet():
+    """PEFT asks transformers 5 a question under its deprecated name, once per model: not the user's concern."""
     with warnings.catch_warnings():
-        # PEFT asks transformers 5 a question under its deprecated name, once per model
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        if resume_dir is not None:
-            return peft.PeftModel.from_pretrained(model, resume_dir, is_trainable=True)
-        return peft.get_peft_model(model, lora_config(config, model))
+        yield
 
 
 def adapter_weights(model) -> list[tuple[str, torch.Tensor]]:
@@ -111,23 +123,28 @@ def base_weights(model) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def export_merged(checkpoint: Path, out: Path) -> Path:
-    """Write base + adapters of a LoRA checkpoint as one full model (and its tokenizer) to `out`."""
+def from_checkpoint(checkpoint: Path):
+    """A LoRA checkpoint's base model (its run's model_name_or_path, else PEFT's record of it)
+    with the checkpoint's adapters."""
     import json
 
     import yaml
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    peft = _peft()
     if not (checkpoint / "adapter_config.json").is_file():
         raise ValueError(f"{checkpoint} holds no adapter_config.json: it is not a LoRA checkpoint (a full checkpoint loads as it is)")
     run_config = checkpoint / "config.yaml"
     if run_config.is_file():
-        base_name = yaml.safe_load(run_config.read_text())["model_name_or_path"]
+        base = yaml.safe_load(run_config.read_text())["model_name_or_path"]
     else:
-        base_name = json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"]
-    base = AutoModelForCausalLM.from_pretrained(base_name)
-    merged = peft.PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
-    merged.save_pretrained(out)
+        base = json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return load_adapters(AutoModelForCausalLM.from_pretrained(base), checkpoint)
+
+
+def export_merged(checkpoint: Path, out: Path) -> Path:
+    """Write base + adapters of a LoRA checkpoint as one full model (and its tokenizer) to `out`."""
+    from transformers import AutoTokenizer
+
+    from_checkpoint(checkpoint).merge_and_unload().save_pretrained(out)
     AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
     return out

@@ -163,22 +163,25 @@ class SyncProducer:
         return Round(r, rollouts, table, completions, t1 - t0, t2 - t1, self.sampler.state_dict())
 
     def score(self, rollouts: list[Rollout]) -> tuple[torch.Tensor, list]:
-        texts = self.tokenizer.batch_decode([ro.completion_ids for ro in rollouts], skip_special_tokens=True)
-        completions = [
-            [{"role": "assistant", "content": t}] if self.table.conversational[ro.prompt_index] else t
-            for ro, t in zip(rollouts, texts)
-        ]
-        rows = [ro.prompt_index for ro in rollouts]
-        columns = {name: [values[i] for i in rows] for name, values in self.table.columns.items()}
-        table = rewards_lib.score(
-            self.reward_fns,
-            prompts=[self.table.prompts[i] for i in rows],
-            completions=completions,
-            completion_ids=[ro.completion_ids for ro in rollouts],
-            max_completion_length=self.params.max_tokens,
-            **columns,
-        )
-        return table, completions
+        return score_rollouts(self.table, self.tokenizer, self.reward_fns, self.params.max_tokens, rollouts)
+
+
+def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.NamedReward], max_tokens: int, rollouts: list[Rollout]) -> tuple[torch.Tensor, list]:
+    """Every rollout's rewards (N, F) and its completion as the reward functions saw it: a
+    message list for a conversational prompt, else text; the prompt's other columns as keywords."""
+    texts = tokenizer.batch_decode([ro.completion_ids for ro in rollouts], skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] if table.conversational[ro.prompt_index] else t for ro, t in zip(rollouts, texts)]
+    rows = [ro.prompt_index for ro in rollouts]
+    columns = {name: [values[i] for i in rows] for name, values in table.columns.items()}
+    scores = rewards_lib.score(
+        reward_fns,
+        prompts=[table.prompts[i] for i in rows],
+        completions=completions,
+        completion_ids=[ro.completion_ids for ro in rollouts],
+        max_completion_length=max_tokens,
+        **columns,
+    )
+    return scores, completions
 
 
 class AsyncProducer(SyncProducer):

@@ -16,9 +16,10 @@ from tandem.trainer.config import ConfigError, TrainConfig
 from tandem.trainer.producer import PromptTable
 
 
-def load_prompts(config: TrainConfig, tokenizer) -> tuple[PromptTable, int]:
-    """Encode every prompt once; returns the table and how many prompts were skipped as too long."""
-    ds = load_prompt_dataset(config.dataset_name, config.dataset_split, config.dataset_config)
+def load_prompts(config: TrainConfig, tokenizer, dataset: str | None = None) -> tuple[PromptTable, int]:
+    """Encode every prompt once (of dataset_name, or of `dataset`); returns the table and how
+    many prompts were skipped as too long."""
+    ds = load_prompt_dataset(dataset or config.dataset_name, config.dataset_split, config.dataset_config)
     others = [c for c in ds.column_names if c != "prompt"]
     table = PromptTable(prompts=[], prompt_ids=[], columns={c: [] for c in others}, conversational=[])
     skipped = 0

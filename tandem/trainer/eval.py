@@ -1,0 +1,105 @@
+"""Evaluation on held-out prompts: during training (eval_dataset, every eval_steps, by the run's
+own engine with the weights live at that step) and on its own (`tandem eval`).
+
+Each prompt gets eval_num_generations completions (or one greedy completion) from fixed seeds,
+so two evaluations differ only by the weights. A completion passes when its weighted reward is
+at least eval_pass_threshold; pass@k is the unbiased estimator of Chen et al. (2021) from n
+completions of which c pass: 1 - C(n - c, k) / C(n, k), averaged over prompts.
+"""
+
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tandem import rewards as rewards_lib
+from tandem.rollout.types import Rollout, SamplingParams
+from tandem.trainer.producer import PromptTable, completion_seed, score_rollouts
+
+EVAL_ROUND = -2  # the seeds' round index: no training round has it
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chance that at least one of k completions drawn from n, c of which pass, passes."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def sampling(params: SamplingParams, greedy: bool) -> SamplingParams:
+    """The run's sampling, or greedy decoding (top_k 1 draws the most likely token)."""
+    return replace(params, top_k=1) if greedy else params
+
+
+def evaluate(engine, tokenizer, table: PromptTable, reward_fns, params: SamplingParams, num_generations: int,
+             seed: int, pass_threshold: float, min_version: int = 0) -> dict:  # fmt: skip
+    """eval/* metrics of `engine` on every prompt of `table`."""
+    t = time.perf_counter()
+    G = num_generations
+    prompt_ids = [ids for ids in table.prompt_ids for _ in range(G)]
+    seeds = [completion_seed(seed, EVAL_ROUND, i, g) for i in range(len(table.prompt_ids)) for g in range(G)]
+    outs = engine.generate(prompt_ids, params, seeds, min_version=min_version)
+    rollouts = [
+        Rollout(prompt_index=k // G, group_id=k // G, prompt_ids=prompt_ids[k], completion_ids=o.token_ids,
+                behav_logprobs=o.logprobs, finish_reason=o.finish_reason, version=o.version)  # fmt: skip
+        for k, o in enumerate(outs)
+    ]
+    scores, _ = score_rollouts(table, tokenizer, reward_fns, params.max_tokens, rollouts)  # (N, F)
+    reward = rewards_lib.combine(scores, [r.weight for r in reward_fns])  # (N,)
+    passed = (reward >= pass_threshold).reshape(-1, G).sum(1).tolist()  # per prompt
+    out = {"eval/reward": reward.mean().item()}
+    for j, fn in enumerate(reward_fns):
+        column = scores[:, j]
+        out[f"eval/rewards/{fn.name}/mean"] = column[~column.isnan()].mean().item() if (~column.isnan()).any() else math.nan
+    for k in sorted({1, G}):
+        out[f"eval/pass@{k}"] = sum(pass_at_k(G, c, k) for c in passed) / len(passed)
+    lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)
+    out["eval/completions/mean_length"] = lengths.mean().item()
+    out["eval/completions/truncated_ratio"] = sum(o.finish_reason == "length" for o in outs) / len(outs)
+    out["eval/prompts"] = len(table.prompt_ids)
+    out["eval/seconds"] = time.perf_counter() - t
+    return out
+
+
+def format_table(results: dict) -> str:
+    """The eval/* metrics as two aligned columns."""
+    names = {k: k.removeprefix("eval/") for k in results}
+    width = max(map(len, names.values()))
+    return "\n".join(f"{names[k]:<{width}}  {v:.4f}" if isinstance(v, float) else f"{names[k]:<{width}}  {v}" for k, v in results.items())
+
+
+def write_json(results: dict, path: Path, about: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**about, **results}, indent=1) + "\n")
+
+
+def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: list[float] | None, num_generations: int, greedy: bool,
+             max_completion_length: int, temperature: float, max_prompt_length: int | None, pass_threshold: float, seed: int) -> dict:  # fmt: skip
+    """`tandem eval`: a model folder, a run's checkpoint (LoRA ones included) or a hub name, on
+    the prompts of `dataset`, with the transformers engine in this process."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.rollout.engine import TransformersEngine, eos_token_ids
+    from tandem.trainer.config import TrainConfig
+    from tandem.trainer.setup import load_prompts
+
+    config = TrainConfig(model_name_or_path=model, dataset_name=dataset, reward_funcs=reward_funcs, reward_weights=reward_weights,
+                         max_completion_length=max_completion_length, temperature=temperature, max_prompt_length=max_prompt_length, seed=seed)  # fmt: skip
+    config.validate()
+    reward_fns = rewards_lib.load_rewards(reward_funcs, reward_weights)
+    if (Path(model) / "adapter_config.json").is_file():  # a LoRA checkpoint: its base model with the adapters
+        from tandem.trainer.lora import from_checkpoint
+
+        lm = from_checkpoint(Path(model))
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    table, _ = load_prompts(config, tokenizer)
+    engine = TransformersEngine(lm.eval(), eos_token_ids(tokenizer, lm.generation_config, model), tokenizer.pad_token_id)
+    G = 1 if greedy else num_generations
+    return evaluate(engine, tokenizer, table, reward_fns, sampling(config.sampling_params(), greedy), G, seed, pass_threshold)
