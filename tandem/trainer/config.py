@@ -16,7 +16,7 @@ import yaml
 from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRECTIONS, SCALE_REWARDS
 from tandem.data import PROMPT_TRUNCATION
 from tandem.rollout.types import SamplingParams
-from tandem.trainer.trackers import check_report_to
+from tandem.trainer.metrics import check_report_to
 
 ROLLOUT_MODES = ("colocate", "server")
 NONFINITE_POLICIES = ("skip", "error")

@@ -31,7 +31,7 @@ from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerErro
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.weights import fingerprint
 from tandem.rollout.types import Rollout
-from tandem.trainer import checkpoint, lora, trackers
+from tandem.trainer import checkpoint, lora, metrics
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.eval import evaluate, sampling
@@ -73,7 +73,7 @@ class Trainer:
         self.accelerator = Accelerator(
             mixed_precision="bf16" if config.bf16 else "no",
             kwargs_handlers=[pg_timeout],
-            log_with=trackers.log_with(config.report_to),
+            log_with=metrics.log_with(config.report_to),
             project_dir=config.output_dir,
             # accelerate only sets up a multi-process CPU run (gloo) under torchrun when told it is on CPU
             cpu=not torch.cuda.is_available(),
@@ -89,8 +89,8 @@ class Trainer:
             print(f"tandem: resolved config ({self.world} process(es))\n{resolved}", flush=True)
             for warning in config.warnings() + ([bf16_warning] if bf16_warning else []):
                 print(f"tandem: warning: {warning}", file=sys.stderr, flush=True)
-        if trackers.log_with(config.report_to):
-            self.accelerator.init_trackers("tandem", config=trackers.hyperparameters(config.to_dict()), init_kwargs={"wandb": {"dir": str(self.out)}})
+        if metrics.log_with(config.report_to):
+            self.accelerator.init_trackers("tandem", config=metrics.hyperparameters(config.to_dict()), init_kwargs={"wandb": {"dir": str(self.out)}})
 
         # Cheap checks first: reward functions and the dataset fail before the model loads.
         self.reward_fns = rewards_lib.load_rewards(config.reward_funcs, config.reward_weights)
@@ -419,7 +419,7 @@ class Trainer:
                 old, rows(behav_logps), mb.completion_mask, cfg.off_policy_correction,
                 clip_max=cfg.importance_sampling_cap, clip_min=cfg.importance_sampling_clip_min,
             )  # fmt: skip
-        loss, metrics = policy_loss(
+        loss, stats = policy_loss(
             logps,
             old,
             advantages[idx].to(logps.device),
@@ -434,11 +434,11 @@ class Trainer:
             ref_logprobs=ref,
             is_weights=is_weights,
         )
-        metrics.update(is_metrics)
+        stats.update(is_metrics)
         self.accelerator.backward(loss)
         mask = mb.completion_mask
-        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
-        return loss.detach(), metrics
+        stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+        return loss.detach(), stats
 
     def _optimizer_step(self, loss: torch.Tensor) -> torch.Tensor:
         """Clip and step. A step whose loss or gradient norm is NaN or inf on any rank never
@@ -556,7 +556,7 @@ class Trainer:
         if not self.is_main:
             return
         self.metrics_log.write(record)
-        self.accelerator.log(trackers.scalars(record), step=record["step"])
+        self.accelerator.log(metrics.scalars(record), step=record["step"])
         bar.update(1)
         bar.set_postfix(reward=f"{record['reward']:.3f}", tok_s=f"{record['completion_tokens_per_second']:.0f}", loss=f"{record['loss']:.4f}")
 
@@ -565,7 +565,7 @@ class Trainer:
             lines = completion_records(rnd, self.tokenizer, self.reward_names, all_rewards, advantages_all, self.global_step, self.config.num_completions_to_log)
             for line in lines:
                 self.completions_log.write(line)
-            trackers.log_completions(self.accelerator, lines, self.global_step)
+            metrics.log_completions(self.accelerator, lines, self.global_step)
 
     def save(self) -> Path | None:
         """A checkpoint every rank contributes to (its RNG state and the rounds it generated
