@@ -54,7 +54,7 @@ def test_the_demo_task_reward_rises_with_lora(tmp_path):
 
 
 def test_server_mode_with_lora_trains_like_colocated_mode_and_pushes_only_adapters(tiny_model, data, tmp_path):
-    extra = [*LORA, "--max_steps", "4", "--beta", "0.05"]
+    extra = [*LORA, "--max_steps", "4", "--beta", "0.05", "--lora_modules_to_save", "norm"]  # the final norm, trained whole
     server = Server(tiny_model)
     try:
         # Without the off-policy correction the trainer's loss depends on the completions alone,
