@@ -50,10 +50,9 @@ def evaluate(engine, tokenizer, table: PromptTable, reward_fns, params: Sampling
     scores, _ = score_rollouts(table, tokenizer, reward_fns, params.max_tokens, rollouts)  # (N, F)
     reward = rewards_lib.combine(scores, [r.weight for r in reward_fns])  # (N,)
     passed = (reward >= pass_threshold).reshape(-1, G).sum(1).tolist()  # per prompt
-    out = {"eval/reward": reward.mean().item()}
+    out = {"eval/reward": reward.nanmean().item()}  # a completion no function had an opinion on is left out (and fails)
     for j, fn in enumerate(reward_fns):
-        column = scores[:, j]
-        out[f"eval/rewards/{fn.name}/mean"] = column[~column.isnan()].mean().item() if (~column.isnan()).any() else math.nan
+        out[f"eval/rewards/{fn.name}/mean"] = scores[:, j].nanmean().item()
     for k in sorted({1, G}):
         out[f"eval/pass@{k}"] = sum(pass_at_k(G, c, k) for c in passed) / len(passed)
     lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)
@@ -73,7 +72,8 @@ def format_table(results: dict) -> str:
 
 def write_json(results: dict, path: Path, about: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**about, **results}, indent=1) + "\n")
+    plain = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in results.items()}  # JSON has no NaN
+    path.write_text(json.dumps({**about, **plain}, indent=1) + "\n")
 
 
 def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: list[float] | None, num_generations: int, greedy: bool,
