@@ -10,7 +10,6 @@
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -27,9 +26,8 @@ from transformers import AutoTokenizer
 from tandem import rewards as rewards_lib
 from tandem.algo import Normalisation, group_advantages, importance_weights, policy_loss
 from tandem.data import GroupSampler
-from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
+from tandem.rollout.client import RolloutServerError
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
-from tandem.rollout.weights import fingerprint
 from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint, lora, metrics
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
@@ -37,7 +35,8 @@ from tandem.trainer.config import TrainConfig
 from tandem.trainer.eval import evaluate, sampling
 from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
 from tandem.trainer.producer import AsyncProducer, Round, SyncProducer, completion_seed
-from tandem.trainer.setup import build_policy, load_prompts, resolve_bf16, trainer_threads
+from tandem.trainer.servers import Servers
+from tandem.trainer.setup import build_policy, load_prompts, resolve_bf16
 
 
 def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -116,9 +115,14 @@ class Trainer:
             self.optimizer.load_state_dict(torch.load(self.resume_dir / "optimizer.pt", weights_only=True))
             self.scheduler.load_state_dict(torch.load(self.resume_dir / "scheduler.pt", weights_only=True))
 
-        self.client = None
+        self.servers = None
         if config.rollout_mode == "server":
-            self.engine = self._connect()
+            self.servers = Servers(config, len(self.tokenizer), self.world, self.is_main)
+            if self.is_main:
+                self.servers.start(self._policy_weights(), lora.base_weights(self._lm()) if config.use_peft else None, self.version)
+            self.engine = self.servers.engine
+            self.engine.version = self.version
+            self.accelerator.wait_for_everyone()
         else:
             eos_ids = eos_token_ids(self.tokenizer, model.generation_config, config.model_name_or_path)
             self.engine = TransformersEngine(self._lm(), eos_ids, self.tokenizer.pad_token_id, self.version)
@@ -152,72 +156,6 @@ class Trainer:
         self.metrics_log = JsonlWriter(self.out / "metrics.jsonl") if self.is_main else None
         self.completions_log = JsonlWriter(self.out / "completions.jsonl") if self.is_main else None
         self.eval_log = JsonlWriter(self.out / "eval.jsonl") if self.is_main and self.eval_table is not None else None
-
-    def _connect(self) -> RemoteEngine:
-        """Wait for the servers, then make them hold the trainer's weights and version. A server
-        left running by an earlier (crashed) trainer takes this trainer's weights and version."""
-        cfg = self.config
-        self.client = RolloutClient(
-            cfg.rollout_server_urls,
-            api_key=cfg.rollout_api_key,
-            connect_timeout=cfg.rollout_connect_timeout,
-            request_timeout=cfg.rollout_request_timeout,
-            server_timeout=cfg.rollout_server_timeout,
-            transport=cfg.weight_transport,
-        )
-        engine = RemoteEngine(self.client)
-        infos = self.server_infos = self.client.wait_until_ready()
-        sharing = trainer_threads(infos, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
-        if sharing is not None and cfg.async_generate:  # in sync mode the two take turns
-            torch.set_num_threads(sharing[0])
-            if self.is_main:
-                print(f"tandem: {sharing[1]}", flush=True)
-        for url, info in zip(cfg.rollout_server_urls, infos):
-            if info["vocab_size"] < len(self.tokenizer):
-                raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {len(self.tokenizer)}")
-        if self.is_main:
-            served = self.client.fingerprints()
-            if cfg.use_peft:
-                self._check_base(served)
-            mine, key = fingerprint(self._policy_weights()), "adapter_fingerprint" if cfg.use_peft else "fingerprint"
-            if any(fp.get(key) != mine or fp["version"] != self.version for fp in served):
-                engine.push(self._policy_weights(), version=self.version, force=True, adapter=cfg.use_peft)
-        engine.version = self.version
-        self.accelerator.wait_for_everyone()
-        return engine
-
-    def _served_as(self, named: list[tuple[str, torch.Tensor]]) -> list[str]:
-        """weights.fingerprint of `named` as each server holds them: in its dtype."""
-        hashes: dict[str, str] = {}
-        for info in self.server_infos:
-            if info["dtype"] not in hashes:
-                hashes[info["dtype"]] = fingerprint((n, t.to(getattr(torch, info["dtype"]))) for n, t in named)
-        return [hashes[info["dtype"]] for info in self.server_infos]
-
-    def _check_base(self, served: list[dict]) -> None:
-        """LoRA: every server's base weights (its full weights, under an adapter or not) are ours."""
-        for url, fp, mine in zip(self.config.rollout_server_urls, served, self._served_as(lora.base_weights(self._lm()))):
-            if (fp.get("base_fingerprint") or fp["fingerprint"]) != mine:
-                raise RolloutServerError(
-                    f"rollout server {url} serves other base weights than model_name_or_path={self.config.model_name_or_path} "
-                    f"(fingerprint {(fp.get('base_fingerprint') or fp['fingerprint'])[:12]}, trainer {mine[:12]}); adapters only fit "
-                    f"the model they are trained on: restart it as `tandem rollout --model {self.config.model_name_or_path}`"
-                )
-
-    def _verify_weights(self, version: int) -> None:
-        """Hash our weights in each server's dtype (its copy rounds the same way) and compare;
-        adapters are hashed as sent (the server keeps them as received)."""
-        served = self.client.fingerprints()
-        if self.config.use_peft:
-            mine_each, key = [fingerprint(self._policy_weights())] * len(served), "adapter_fingerprint"
-        else:
-            mine_each, key = self._served_as(self._policy_weights()), "fingerprint"
-        for url, fp, mine in zip(self.config.rollout_server_urls, served, mine_each):
-            if fp.get(key) != mine or fp["version"] != version:
-                raise RolloutServerError(
-                    f"rollout server {url} holds different weights after the push of version {version} "
-                    f"(server version {fp['version']}, {key} {(fp.get(key) or 'none')[:12]}, trainer {mine[:12]})"
-                )
 
     def _policy_weights(self) -> list[tuple[str, torch.Tensor]]:
         """What a sync pushes: every weight, or with LoRA the adapters."""
@@ -480,10 +418,8 @@ class Trainer:
             self.producer.wait_generated(trained_round + self.config.max_staleness)
             if self.world > 1:
                 self.accelerator.wait_for_everyone()
-        if self.client is not None and self.is_main:
-            self.engine.push(self._policy_weights(), self.version, adapter=self.config.use_peft)
-            if self.config.verify_weight_sync:
-                self._verify_weights(self.version)
+        if self.servers is not None and self.is_main:
+            self.servers.push(self._policy_weights(), self.version)
         self.engine.version = self.version
         self.producer.set_live_version(self.version)
         return time.perf_counter() - t
@@ -610,8 +546,8 @@ class Trainer:
         """After a failure the process group is left alone: destroying it could wait on a rank
         that is stuck in a collective; the launcher ends the other ranks when this one exits."""
         self.producer.close()
-        if self.client is not None:
-            self.client.close()
+        if self.servers is not None:
+            self.servers.close()
         for w in (self.metrics_log, self.completions_log, self.eval_log):
             if w is not None:
                 w.close()
