@@ -39,6 +39,13 @@ def test_tensorboard_gets_every_metric_at_the_steps_of_metrics_jsonl(tiny_model,
         scalars = events.Scalars(key)
         assert [s.step for s in scalars] == [m["step"] for m in logged]
         assert [s.value for s in scalars] == pytest.approx([m[key] for m in logged], rel=1e-6)  # stored as float32
+    # The logged completions, as a Markdown table in the text tab, at the steps they were logged.
+    (text,) = [t for t in events.Tags()["tensors"] if t.startswith("completions")]
+    first = events.Tensors(text)[0]
+    table = first.tensor_proto.string_val[0].decode()
+    completions = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert first.step == completions[0]["step"] and table.startswith("| step | round | prompt | completion |")
+    assert len(table.splitlines()) == 2 + sum(c["step"] == first.step for c in completions)
 
 
 def test_wandb_offline_writes_its_run_folder_with_the_metrics(tiny_model, data, tmp_path):

@@ -117,7 +117,7 @@ class TrainConfig:
     resume_from_checkpoint: str | None = opt(None, "Continue a run exactly: a checkpoint folder, or 'latest' for the newest complete one in output_dir.", "logging and checkpoints")
     num_completions_to_log: int = opt(4, "Completions written to completions.jsonl each step.", "logging and checkpoints")
     disable_tqdm: bool = opt(False, "Hide the progress bar.", "logging and checkpoints")
-    report_to: list[str] = opt(["none"], "Experiment trackers that get every metric of metrics.jsonl at the same steps: tensorboard (in output_dir/tandem), wandb (completions as a table too), trackio, or none.", "logging and checkpoints")
+    report_to: list[str] = opt(["none"], "Experiment trackers that get every metric of metrics.jsonl at the same steps: tensorboard (in output_dir/tandem), wandb, trackio, or none; the logged completions go to W&B and TensorBoard as tables.", "logging and checkpoints")
 
     def __post_init__(self):
         if self.steps_per_generation is None:

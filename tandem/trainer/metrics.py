@@ -135,9 +135,22 @@ def scalars(record: dict) -> dict:
 
 
 def log_completions(accelerator, lines: list[dict], step: int) -> None:
-    """The completions.jsonl lines of a step as a W&B table (the other trackers have none)."""
-    if not lines or "wandb" not in [t.name for t in accelerator.trackers]:
+    """The completions.jsonl lines of a step as a W&B table, and as a Markdown table in
+    TensorBoard's text tab (the other trackers have neither)."""
+    names = [t.name for t in accelerator.trackers]
+    if not lines or not {"wandb", "tensorboard"} & set(names):
         return
     columns = list(lines[0])
     rows = [[v if isinstance(v, (int, float, str)) or v is None else str(v) for v in (line.get(c) for c in columns)] for line in lines]
-    accelerator.get_tracker("wandb").log_table("completions", columns=columns, data=rows, step=step)
+    if "wandb" in names:
+        accelerator.get_tracker("wandb").log_table("completions", columns=columns, data=rows, step=step)
+    if "tensorboard" in names:
+        markdown = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + ["| " + " | ".join(map(_markdown_cell, r)) + " |" for r in rows])
+        accelerator.get_tracker("tensorboard").tracker.add_text("completions", markdown, step)
+
+
+def _markdown_cell(v) -> str:
+    """A value as one Markdown table cell: text escaped (newlines, control characters, pipes)."""
+    if isinstance(v, str):
+        return repr(v)[1:-1].replace("|", "\\|")
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
