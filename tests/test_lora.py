@@ -215,13 +215,14 @@ def test_a_lora_checkpoint_resumed_without_use_peft_is_refused(tiny_model, data,
 
 
 def test_adapter_updates_are_checked_and_merged_as_base_plus_b_a():
-    from tandem.rollout.adapters import check_adapter, merge
+    from tandem.rollout.adapters import check_adapter, check_pairs, merge
 
     g = torch.Generator().manual_seed(0)
     spec = {"q.weight": torch.randn(4, 3, generator=g), "norm.weight": torch.randn(3, generator=g)}
     a, b = torch.randn(2, 3, generator=g), torch.randn(4, 2, generator=g)
     update = {"q.weight.lora_A": a, "q.weight.lora_B": b}
-    check_adapter(spec, update, complete=True)
+    check_adapter(spec, update)
+    check_pairs(update)
     merged = merge(spec, update)
     torch.testing.assert_close(merged["q.weight"], spec["q.weight"] + b @ a)
     assert merged["norm.weight"] is spec["norm.weight"]  # untouched weights are not copied
@@ -235,4 +236,5 @@ def test_adapter_updates_are_checked_and_merged_as_base_plus_b_a():
     }
     for message, bad in refused.items():
         with pytest.raises(ValueError, match=re.escape(message)):
-            check_adapter(spec, bad, complete=True)
+            check_adapter(spec, bad)  # each chunk as it arrives
+            check_pairs(bad)  # the whole update at commit

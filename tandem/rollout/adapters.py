@@ -24,10 +24,9 @@ def target_of(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def check_adapter(spec: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], complete: bool) -> None:
+def check_adapter(spec: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
     """Raise ValueError unless every tensor is a LoRA factor that fits a 2-D weight of the
-    served model, or a whole weight (check_weights' rules). When `complete`, every factor has
-    its partner and the two agree on the rank."""
+    served model, or a whole weight (check_weights' rules). Checked as each chunk arrives."""
     whole = {n: t for n, t in tensors.items() if target_of(n)[1] is None}
     factors = {n: t for n, t in tensors.items() if n not in whole}
     check_weights(spec, whole, complete=False)
@@ -36,22 +35,28 @@ def check_adapter(spec: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor
         base = spec.get(target)
         if base is None or base.dim() != 2:
             raise ValueError(f"adapter tensor {name!r}: the served model has no 2-D weight {target!r}")
-        if target in whole:
-            raise ValueError(f"adapter tensor {name!r}: {target!r} also arrived whole; send a weight either whole or as LoRA factors")
         fits = t.dim() == 2 and (t.shape[1] == base.shape[1] if factor == "A" else t.shape[0] == base.shape[0])
         if not fits:
             need = f"{base.shape[1]} columns" if factor == "A" else f"{base.shape[0]} rows"
             raise ValueError(f"adapter tensor {name!r}: shape {tuple(t.shape)} does not fit {target!r} {tuple(base.shape)}; lora_{factor} is 2-D with {need}")
         check_values(name, t)
-    if complete:
-        for name in factors:
-            target, factor = target_of(name)
-            partner = target + (LORA_B if factor == "A" else LORA_A)
-            if partner not in factors:
-                raise ValueError(f"adapter tensor {name!r} arrived without its partner {partner!r}")
-            a, b = factors[target + LORA_A], factors[target + LORA_B]
-            if a.shape[0] != b.shape[1]:
-                raise ValueError(f"adapter tensors of {target!r}: lora_A has rank {a.shape[0]}, lora_B rank {b.shape[1]}")
+
+
+def check_pairs(tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError unless every factor of a whole update has its partner, the two agree on
+    the rank, and no weight came both whole and as factors (the chunks were checked one by one)."""
+    for name in tensors:
+        target, factor = target_of(name)
+        if factor is None:
+            continue
+        if target in tensors:
+            raise ValueError(f"adapter tensor {name!r}: {target!r} also arrived whole; send a weight either whole or as LoRA factors")
+        partner = target + (LORA_B if factor == "A" else LORA_A)
+        if partner not in tensors:
+            raise ValueError(f"adapter tensor {name!r} arrived without its partner {partner!r}")
+        a, b = tensors[target + LORA_A], tensors[target + LORA_B]
+        if a.shape[0] != b.shape[1]:
+            raise ValueError(f"adapter tensors of {target!r}: lora_A has rank {a.shape[0]}, lora_B rank {b.shape[1]}")
 
 
 def merge(base: dict[str, torch.Tensor], update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 
 from tandem.rollout.engine import Engine
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.adapters import check_adapter, merge
+from tandem.rollout.adapters import check_adapter, check_pairs, merge
 from tandem.rollout.weights import check_weights, fingerprint, max_update_bytes
 
 
@@ -335,7 +335,10 @@ class RolloutService:
             staged = self._staged.get(update_id)
         if staged is None:
             raise UnknownUpdate(f"no weight update {update_id!r} in progress (a newer one replaced it, or it was committed)")
-        (check_adapter if staged.adapter else check_weights)(engine.weight_spec(), tensors, complete=False)  # early: a bad chunk fails as it arrives
+        if staged.adapter:  # early: a bad chunk fails as it arrives
+            check_adapter(engine.weight_spec(), tensors)
+        else:
+            check_weights(engine.weight_spec(), tensors, complete=False)
         with self._cv:
             if self._staged.get(update_id) is not staged:
                 raise UnknownUpdate(f"no weight update {update_id!r} in progress (a newer one replaced it, or it was committed)")
@@ -351,7 +354,7 @@ class RolloutService:
             if len(staged.tensors) != staged.num_tensors:
                 raise ValueError(f"update {update_id} has {len(staged.tensors)} of {staged.num_tensors} tensors; send the rest before commit")
         if staged.adapter:
-            check_adapter(engine.weight_spec(), staged.tensors, complete=True)
+            check_pairs(staged.tensors)
         with self._gate.exclusive():  # waits for the generation in flight
             if not staged.force and staged.version != engine.version + 1:
                 raise VersionConflict(f"update to version {staged.version} refused at commit: the server is now at {engine.version}")
