@@ -36,14 +36,24 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _files_command(run):
+    """A command that reads what the user names (a run folder, a checkpoint): a missing or wrong
+    one is reported in one line with exit code 2, not a traceback."""
+
+    def checked(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"tandem: {exc}", file=sys.stderr)
+            return 2
+
+    return checked
+
+
 def _merge(args: argparse.Namespace) -> int:
     from tandem.trainer.lora import export_merged
 
-    try:
-        out = export_merged(Path(args.checkpoint), Path(args.out))
-    except ValueError as exc:
-        print(f"tandem: {exc}", file=sys.stderr)
-        return 2
+    out = export_merged(Path(args.checkpoint), Path(args.out))
     print(f"wrote base model + adapters of {args.checkpoint} as one model to {out} (loads with AutoModelForCausalLM)")
     return 0
 
@@ -51,11 +61,7 @@ def _merge(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from tandem.show import read_completions, table
 
-    try:
-        print(table(read_completions(Path(args.run_dir)), args.step, args.width))
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"tandem: {exc}", file=sys.stderr)
-        return 2
+    print(table(read_completions(Path(args.run_dir)), args.step, args.width))
     return 0
 
 
@@ -77,11 +83,7 @@ def _plot(args: argparse.Namespace) -> int:
     from tandem.plot import plot
 
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "plot.png"
-    try:
-        plot([Path(d) for d in args.run_dirs], out, args.smooth)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"tandem: {exc}", file=sys.stderr)
-        return 2
+    plot([Path(d) for d in args.run_dirs], out, args.smooth)
     print(f"wrote {out}")
     return 0
 
@@ -157,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("merge", help="write a LoRA checkpoint's base model with its adapters merged in, as one full model")
     p.add_argument("checkpoint", help="a checkpoint folder of a use_peft run (holds adapter_config.json)")
     p.add_argument("out", help="folder to write the merged model and tokenizer to (HF format)")
-    p.set_defaults(run=_merge)
+    p.set_defaults(run=_files_command(_merge))
 
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on prompts: mean rewards, pass@1 and pass@k; prints a table, writes JSON",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
@@ -179,13 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+", help="output_dir of one or more `tandem train` runs (reads metrics.jsonl); several are overlaid")
     p.add_argument("--out", default=None, help="PNG to write (default: plot.png in the first run's folder)")
     p.add_argument("--smooth", type=int, default=1, help="moving average over this many steps (1: none)")
-    p.set_defaults(run=_plot)
+    p.set_defaults(run=_files_command(_plot))
 
     p = sub.add_parser("show", help="print a run's logged completions as a table: rewards, advantage, version, prompt, completion")
     p.add_argument("run_dir", help="the output_dir of a `tandem train` run (reads its completions.jsonl)")
     p.add_argument("--step", type=int, default=None, help="the step to show (default: the last one logged)")
     p.add_argument("--width", type=int, default=None, help="line width (default: the terminal's)")
-    p.set_defaults(run=_show)
+    p.set_defaults(run=_files_command(_show))
 
     p = sub.add_parser("demo", help="learn single-digit addition by RL on a tiny model (2 CPU cores, a few minutes, no network)")
     p.add_argument("--output_dir", default="runs/demo", help="where the model, data and run go")
