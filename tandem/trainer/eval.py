@@ -29,16 +29,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def sampling(params: SamplingParams, greedy: bool) -> SamplingParams:
-    """The run's sampling, or greedy decoding (top_k 1 draws the most likely token)."""
-    return replace(params, top_k=1) if greedy else params
-
-
-def evaluate(engine, tokenizer, table: PromptTable, reward_fns, params: SamplingParams, num_generations: int,
+def evaluate(engine, tokenizer, table: PromptTable, reward_fns, params: SamplingParams, num_generations: int, greedy: bool,
              seed: int, pass_threshold: float, min_version: int = 0) -> dict:  # fmt: skip
-    """eval/* metrics of `engine` on every prompt of `table`."""
+    """eval/* metrics of `engine` on every prompt of `table`: num_generations completions each
+    with `params`, or with `greedy` one from greedy decoding (top_k 1 draws the likeliest token)."""
     t = time.perf_counter()
-    G = num_generations
+    G = 1 if greedy else num_generations
+    params = replace(params, top_k=1) if greedy else params
     prompt_ids = [ids for ids in table.prompt_ids for _ in range(G)]
     seeds = [completion_seed(seed, EVAL_ROUND, i, g) for i in range(len(table.prompt_ids)) for g in range(G)]
     outs = engine.generate(prompt_ids, params, seeds, min_version=min_version)
@@ -101,5 +98,4 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
         tokenizer.pad_token = tokenizer.eos_token
     table, _ = load_prompts(config, tokenizer)
     engine = TransformersEngine(lm.eval(), eos_token_ids(tokenizer, lm.generation_config, model), tokenizer.pad_token_id)
-    G = 1 if greedy else num_generations
-    return evaluate(engine, tokenizer, table, reward_fns, sampling(config.sampling_params(), greedy), G, seed, pass_threshold)
+    return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, seed, pass_threshold)

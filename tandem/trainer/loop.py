@@ -32,7 +32,7 @@ from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint, lora, metrics
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig
-from tandem.trainer.eval import evaluate, sampling
+from tandem.trainer.eval import evaluate
 from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
 from tandem.trainer.producer import AsyncProducer, Round, SyncProducer, completion_seed
 from tandem.trainer.servers import Servers
@@ -44,6 +44,11 @@ def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r[:width]
     return out
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether the steps before..after reached a multiple of `every` (never when every is 0)."""
+    return bool(every) and before // every != after // every
 
 
 @dataclass
@@ -176,9 +181,9 @@ class Trainer:
             while self.global_step < cfg.max_steps:
                 before = self.global_step
                 last = self._train_round(bar) or last
-                if self.eval_table is not None and (self.global_step >= cfg.max_steps or (cfg.eval_steps and before // cfg.eval_steps != self.global_step // cfg.eval_steps)):
+                if self.eval_table is not None and (self.global_step >= cfg.max_steps or _crossed(before, self.global_step, cfg.eval_steps)):
                     self._evaluate()
-                if cfg.save_steps and before // cfg.save_steps != self.global_step // cfg.save_steps:
+                if _crossed(before, self.global_step, cfg.save_steps):
                     self.save()  # at the end of the round that crossed a multiple of save_steps
                     saved_at = self.global_step
         except RolloutServerError as exc:
@@ -193,13 +198,12 @@ class Trainer:
         """eval/* on the held-out prompts, by rank 0 with the weights live now (between rounds)."""
         cfg = self.config
         if self.is_main:
-            G = 1 if cfg.eval_greedy else cfg.eval_num_generations
             with self.accelerator.autocast():
-                results = evaluate(self.engine, self.tokenizer, self.eval_table, self.reward_fns, sampling(cfg.sampling_params(), cfg.eval_greedy),
-                                   G, cfg.seed, cfg.eval_pass_threshold, min_version=self.version)  # fmt: skip
+                results = evaluate(self.engine, self.tokenizer, self.eval_table, self.reward_fns, cfg.sampling_params(), cfg.eval_num_generations,
+                                   cfg.eval_greedy, cfg.seed, cfg.eval_pass_threshold, min_version=self.version)  # fmt: skip
             self.eval_log.write({"step": self.global_step, **results})
             self.accelerator.log(results, step=self.global_step)
-            shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in results.items() if k in ("eval/reward", "eval/pass@1", f"eval/pass@{G}"))
+            shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in results.items() if k == "eval/reward" or k.startswith("eval/pass@"))
             print(f"tandem: step {self.global_step} eval on {len(self.eval_table.prompt_ids)} prompts: {shown}", flush=True)
         self.accelerator.wait_for_everyone()
 
