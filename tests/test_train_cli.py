@@ -88,16 +88,6 @@ def test_kl_iterations_and_other_loss_options_run(tiny_model, data, tmp_path):
     assert metrics[-1]["kl"] > 0
 
 
-def test_the_demo_task_reward_improves(tmp_path):
-    # Measured (150 steps, seeds 0, 1, 2): first-10-step mean 0.23-0.26, last-10 0.52-0.61,
-    # a rise of 0.29-0.35. The threshold leaves a wide margin for other machines' numerics.
-    proc = run_cli("demo", "--output_dir", tmp_path / "demo", "--max_steps", "150", "--seed", "0")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rewards = [json.loads(line)["reward"] for line in (tmp_path / "demo" / "run" / "metrics.jsonl").read_text().splitlines()]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last - first >= 0.12, (first, last)
-
-
 def test_dapo_step_whose_completions_are_all_truncated_and_masked_has_loss_zero(tiny_model, data, tmp_path):
     # Two tokens: the random model almost never stops that soon, so every completion of a step
     # is truncated and, masked, leaves the step without a loss token (once a crash).
