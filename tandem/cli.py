@@ -30,9 +30,10 @@ def _rollout(args: argparse.Namespace) -> int:
 def _init_model(args: argparse.Namespace) -> int:
     from tandem.init_model import init_model
 
-    model, _ = init_model(args.out, size=args.size, seed=args.seed, head_dim=args.head_dim)
+    model, _ = init_model(args.out, size=args.size, seed=args.seed, head_dim=args.head_dim, reward_model=args.reward_model)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote a {args.size} Qwen2 model ({n / 1e6:.2f}M parameters) with tokenizer and chat template to {args.out}")
+    kind = "reward model (sequence classifier, one score)" if args.reward_model else "model"
+    print(f"wrote a {args.size} Qwen2 {kind} ({n / 1e6:.2f}M parameters) with tokenizer and chat template to {args.out}")
     return 0
 
 
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"], help="tiny ~0.1M, small ~3M, medium ~25M parameters")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init")
     p.add_argument("--head-dim", type=int, default=0, help="attention head size (0: the size's own: 16, 32, 64); vLLM's CPU attention needs 64 or more")
+    p.add_argument("--reward-model", action="store_true", help="a sequence classifier of one score (a reward model for --reward_funcs) instead of a causal LM")
     p.set_defaults(run=_init_model)
 
     p = sub.add_parser("merge", help="write a LoRA checkpoint's base model with its adapters merged in, as one full model")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 from tandem.data import encode_prompt
 
@@ -67,7 +67,8 @@ def _byte_to_unicode() -> dict[int, str]:
 _BYTE_OF = {ch: b for b, ch in _byte_to_unicode().items()}
 
 
-def build_model(size: str, vocab_size: int, seed: int, eos_token_id: int, pad_token_id: int, head_dim: int = 0) -> Qwen2ForCausalLM:
+def build_model(size: str, vocab_size: int, seed: int, eos_token_id: int, pad_token_id: int, head_dim: int = 0, reward_model: bool = False):
+    """A random-init Qwen2 causal LM, or with `reward_model` a sequence classifier of one score."""
     if size not in SIZES:
         raise ValueError(f"unknown --size {size!r}; choose one of {', '.join(SIZES)}")
     hidden, inter, layers, heads, kv = SIZES[size]
@@ -88,9 +89,10 @@ def build_model(size: str, vocab_size: int, seed: int, eos_token_id: int, pad_to
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
+        num_labels=1,
     )
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
+    return (Qwen2ForSequenceClassification if reward_model else Qwen2ForCausalLM)(config)
 
 
 def warmup_sft(
@@ -130,11 +132,12 @@ def warmup_sft(
     return losses
 
 
-def init_model(out: str | Path, size: str = "tiny", seed: int = 0, head_dim: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+def init_model(out: str | Path, size: str = "tiny", seed: int = 0, head_dim: int = 0, reward_model: bool = False):
     tokenizer = build_tokenizer()
-    model = build_model(size, len(tokenizer), seed, tokenizer.eos_token_id, tokenizer.pad_token_id, head_dim)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = build_model(size, len(tokenizer), seed, tokenizer.eos_token_id, tokenizer.pad_token_id, head_dim, reward_model)
+    if not reward_model:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     save(model, tokenizer, out)
     return model, tokenizer
 

@@ -1,12 +1,20 @@
-"""Reward loading, weights, and the error policy."""
+"""Reward loading, weights, the error policy, async functions and timeouts, math answers."""
 
+import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_cli
+
 from tandem.rewards import combine, load_reward_fn, load_rewards, score
-from tandem.rewards.builtin import exact_match, length_penalty, number_format, think_format
+from tandem.rewards.builtin import accuracy, exact_match, length_penalty, number_format, think_format
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def test_builtins():
@@ -74,3 +82,104 @@ def test_none_and_nan_are_no_opinion(tmp_path):
     # row 0: 1 + 2*0.5 = 2; row 1: only b: 4; row 2: nobody had an opinion
     assert total[:2].tolist() == [2.0, 4.0] and math.isnan(total[2])
     assert isinstance(total, torch.Tensor)
+
+
+def test_accuracy_verifies_equivalent_answers_and_has_no_opinion_on_unparsable_solutions():
+    cases = [
+        ("The answer is \\boxed{0.5}", "$\\frac{1}{2}$", 1.0),  # LaTeX solution, boxed decimal answer
+        ("So x = 7.", "7", 1.0),  # plain answer in prose
+        ("The result is 2/4", "\\frac{1}{2}", 1.0),  # an unreduced fraction equals the reduced one
+        ("\\boxed{x(x+2)}", "$x^2+2x$", 1.0),  # equivalent expressions
+        ([{"role": "assistant", "content": "$\\frac{3}{4}$"}], "0.75", 1.0),  # a chat completion
+        ("I think 8", "7", 0.0),
+        ("", "3", 0.0),  # no answer at all is wrong, not "no opinion"
+        ("7", "no answer here", None),  # the gold answer does not parse: no opinion
+    ]
+    assert accuracy(None, [c for c, _, _ in cases], solution=[s for _, s, _ in cases]) == [want for _, _, want in cases]
+    with pytest.raises(ValueError, match="'solution' column"):
+        accuracy(None, ["1"])
+
+
+def _module(tmp_path, source: str) -> str:
+    path = tmp_path / "slow_rewards.py"
+    path.write_text(source)
+    return str(path)
+
+
+def test_async_functions_of_one_batch_run_concurrently(tmp_path):
+    # Each function waits for the other to start: run one after the other, both would time out.
+    f = _module(tmp_path, """
+import asyncio
+started = {}
+async def _meet(me, other, n):
+    started[me] = asyncio.get_running_loop().create_future()
+    while other not in started:
+        await asyncio.sleep(0.01)
+    started[me].set_result(True)
+    await started[other]
+    return [1.0] * n
+async def ping(prompts, completions, **kw):
+    return await _meet("ping", "pong", len(completions))
+async def pong(prompts, completions, **kw):
+    return await _meet("pong", "ping", len(completions))
+def plain(prompts, completions, **kw):
+    return [0.5] * len(completions)
+""")
+    rewards = load_rewards([f"{f}:ping", f"{f}:plain", f"{f}:pong"], None, timeout=10)
+    assert score(rewards, prompts=["p"] * 2, completions=["a", "b"]).tolist() == [[1.0, 0.5, 1.0]] * 2
+
+
+def test_a_call_past_reward_timeout_fails_naming_it_or_gives_no_opinion(tmp_path, capsys):
+    f = _module(tmp_path, """
+import asyncio, time
+def hangs(prompts, completions, **kw):
+    time.sleep(60)
+async def hangs_async(prompts, completions, **kw):
+    await asyncio.sleep(60)
+def fine(prompts, completions, **kw):
+    return [1.0] * len(completions)
+""")
+    for name in ("hangs", "hangs_async"):
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"'{name}' took longer than reward_timeout=0.3s.*reward_on_timeout=none"):
+            score(load_rewards([f"{f}:{name}", f"{f}:fine"], None, timeout=0.3), prompts=["p"], completions=["a"])
+        assert time.monotonic() - start < 5  # a hung plain function's thread is left behind, not waited for
+        table = score(load_rewards([f"{f}:{name}", f"{f}:fine"], None, timeout=0.3, on_timeout="none"), prompts=["p"] * 2, completions=["a", "b"])
+        assert torch.isnan(table[:, 0]).all() and table[:, 1].tolist() == [1.0, 1.0]
+        assert f"'{name}' took longer than reward_timeout=0.3s; its 2 rewards of this batch are None" in capsys.readouterr().err
+
+
+def test_a_reward_model_scores_through_the_cli_as_transformers_scores_each_text_alone(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tandem.demo import addition_rows, write_jsonl
+
+    rm, policy, data = tmp_path / "rm", tmp_path / "policy", tmp_path / "data.jsonl"
+    assert run_cli("init-model", rm, "--size", "tiny", "--reward-model", "--seed", "1").returncode == 0
+    assert run_cli("init-model", policy, "--size", "tiny").returncode == 0
+    write_jsonl(addition_rows(0), data)
+    proc = run_cli("train", "--config", EXAMPLES / "reward_model.yaml", "--model_name_or_path", policy, "--dataset_name", data,
+                   "--output_dir", tmp_path / "run", "--max_steps", "2", "--reward_funcs", f"model:{rm}", "exact_match",
+                   "--reward_model_batch_size", "5", "--num_completions_to_log", "16")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 32
+    tokenizer, model = AutoTokenizer.from_pretrained(rm), AutoModelForSequenceClassification.from_pretrained(rm).eval()
+    for row in rows:  # one text at a time: no padding, so the batched, padded scores are checked too
+        question = row["prompt"].split("user\n", 1)[1].split("<|im_end|>", 1)[0]
+        answer = row["completion"]  # logged with its special tokens; the rewards see it without them
+        for special in tokenizer.all_special_tokens:
+            answer = answer.replace(special, "")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}, {"role": "assistant", "content": answer}], tokenize=False)
+        with torch.no_grad():
+            want = model(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+        assert row["rewards/rm"] == pytest.approx(want, abs=1e-5)
+    spread = {round(row["rewards/rm"], 6) for row in rows}
+    assert len(spread) > 1  # the scores depend on the text
+
+
+def test_reward_options_are_checked_before_the_model_loads(tmp_path):
+    for flags, message in [(("--reward_timeout", "0"), "reward_timeout"), (("--reward_on_timeout", "skip"), "reward_on_timeout"),
+                           (("--reward_model_dtype", "int8"), "reward_model_dtype"), (("--reward_model_batch_size", "0"), "reward_model_batch_size")]:  # fmt: skip
+        proc = run_cli("train", "--model_name_or_path", tmp_path / "absent", "--dataset_name", tmp_path / "absent.jsonl", "--reward_funcs", "exact_match", *flags)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]

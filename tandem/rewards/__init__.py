@@ -1,17 +1,24 @@
-"""Reward functions: built-ins, user functions from "file.py:fn" or "module:fn", weights, errors."""
+"""Reward functions: built-ins, user functions from "file.py:fn" or "module:fn", reward models,
+weights, timeouts, errors."""
 
+import asyncio
 import importlib
 import importlib.util
+import inspect
 import math
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from tandem.rewards import model as reward_model
 from tandem.rewards.builtin import BUILTIN_REWARDS, completion_text
 
 RewardFn = Callable[..., list]
+ON_TIMEOUT = ("error", "none")
 
 
 @dataclass(frozen=True)
@@ -19,12 +26,17 @@ class NamedReward:
     name: str
     fn: RewardFn
     weight: float
+    timeout: float | None = None  # seconds a call may take; None: no bound
+    on_timeout: str = "error"  # past the timeout: "error" stops the step, "none" gives no opinion for that batch
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """A built-in name, "path/to/file.py:fn" or "package.module:fn"."""
+def load_reward_fn(spec: str, model_options: dict | None = None) -> RewardFn:
+    """A built-in name, "path/to/file.py:fn", "package.module:fn", or a reward model
+    ("model:NAME", or a folder holding a sequence-classification model)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    if reward_model.is_reward_model(spec):
+        return reward_model.RewardModel(spec, **(model_options or {}))
     if ":" not in spec:
         raise ValueError(
             f"reward_funcs entry {spec!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
@@ -35,9 +47,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         path = Path(where)
         if not path.is_file():
             raise FileNotFoundError(f"reward_funcs entry {spec!r}: file {path} does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"tandem_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = _file_module(path)
     else:
         module = importlib.import_module(where)
     fn = getattr(module, name, None)
@@ -46,50 +56,133 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def load_rewards(specs: list[str], weights: list[float] | None) -> list[NamedReward]:
+_FILE_MODULES: dict[Path, object] = {}
+
+
+def _file_module(path: Path):
+    """The module of a reward file, run once: its functions share its globals, as after an import."""
+    key = path.resolve()
+    if key not in _FILE_MODULES:
+        module_spec = importlib.util.spec_from_file_location(f"tandem_user_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        _FILE_MODULES[key] = module
+    return _FILE_MODULES[key]
+
+
+def reward_name(spec: str) -> str:
+    """The name metrics use: "digit_fraction", not the file path; a reward model's folder name."""
+    if reward_model.is_reward_model(spec):
+        return Path(spec.removeprefix(reward_model.PREFIX)).name
+    return spec.rsplit(":", 1)[-1]
+
+
+def load_rewards(specs: list[str], weights: list[float] | None, timeout: float | None = None, on_timeout: str = "error",
+                 model_options: dict | None = None) -> list[NamedReward]:  # fmt: skip
     if not specs:
         raise ValueError("reward_funcs is empty; give at least one, e.g. --reward_funcs exact_match")
     if weights is None:
         weights = [1.0] * len(specs)
     if len(weights) != len(specs):
         raise ValueError(f"reward_weights has {len(weights)} values for {len(specs)} reward_funcs; give one weight each")
-    names = [spec.rsplit(":", 1)[-1] for spec in specs]  # metrics say "digit_fraction", not the file path
+    names = [reward_name(spec) for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"reward_funcs {specs} has two functions of the same name; their metrics would collide")
-    return [NamedReward(name, load_reward_fn(spec), float(w)) for name, spec, w in zip(names, specs, weights)]
+    return [NamedReward(name, load_reward_fn(spec, model_options), float(w), timeout, on_timeout) for name, spec, w in zip(names, specs, weights)]
 
 
 def score(rewards: list[NamedReward], prompts: list, completions: list, **kwargs) -> torch.Tensor:
     """Rewards of every completion under every function: (N, F) float, NaN where a function said None.
 
-    A function that raises or returns the wrong number or kind of values fails the step with
-    its name; None and NaN mean "no opinion" and are left out of the statistics.
+    `async def` functions run concurrently with each other and with the plain ones, which run
+    one after another in a worker thread. Each call is bounded by its function's timeout. A
+    function that raises, times out under the "error" policy, or returns the wrong number or kind
+    of values fails the step with its name; None and NaN mean "no opinion" and are left out of
+    the statistics.
     """
     n = len(completions)
-    columns = []
-    for reward in rewards:
-        try:
-            values = reward.fn(prompts=prompts, completions=completions, **kwargs)
-        except Exception as exc:
-            raise RuntimeError(f"reward function {reward.name!r} raised {type(exc).__name__}: {exc}") from exc
-        if not isinstance(values, (list, tuple)) or len(values) != n:
-            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-            raise ValueError(f"reward function {reward.name!r} must return a list of {n} floats (one per completion), got {got}")
-        column = []
-        for i, v in enumerate(values):
-            if v is None:
-                v = math.nan
-            elif isinstance(v, bool) or not isinstance(v, (int, float)):
-                try:
-                    v = float(v)
-                except (TypeError, ValueError):
-                    raise ValueError(f"reward function {reward.name!r} returned {v!r} for completion {i}; expected a float or None") from None
-            if math.isinf(v):
-                raise ValueError(f"reward function {reward.name!r} returned {v} for completion {i}; rewards must be finite (None or NaN means no opinion)")
-            column.append(float(v))
-        columns.append(column)
+    kwargs = {"prompts": prompts, "completions": completions, **kwargs}
+    results = asyncio.run(_call_all(rewards, kwargs))
+    columns = [_column(reward, values, n) for reward, values in zip(rewards, results)]
     # One tensor built at the end, not N*F indexed writes: cheaper, and this runs in the async producer's thread.
     return torch.tensor(columns, dtype=torch.float32).T.reshape(n, len(rewards))  # (N, F)
+
+
+async def _call_all(rewards: list[NamedReward], kwargs: dict) -> list:
+    n = len(kwargs["completions"])
+    results: list = [None] * len(rewards)
+    is_async = [inspect.iscoroutinefunction(r.fn) for r in rewards]
+
+    async def plain_in_turn() -> None:
+        for i, reward in enumerate(rewards):
+            if not is_async[i]:
+                results[i] = await _bounded(reward, lambda reward=reward: _in_thread(reward.fn, kwargs), n)
+
+    async def one_async(i: int) -> None:
+        results[i] = await _bounded(rewards[i], lambda: rewards[i].fn(**kwargs), n)
+
+    await asyncio.gather(plain_in_turn(), *(one_async(i) for i in range(len(rewards)) if is_async[i]))
+    return results
+
+
+def _in_thread(fn: RewardFn, kwargs: dict) -> asyncio.Future:
+    """fn(**kwargs) in a daemon thread: one that outlives its timeout keeps running but blocks
+    neither the next round nor the process's exit (asyncio's own executor would do both)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome: str, value) -> None:
+        if not future.done():
+            getattr(future, outcome)(value)
+
+    def run() -> None:
+        try:
+            outcome, value = "set_result", fn(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller, with the function's name
+            outcome, value = "set_exception", exc
+        try:
+            loop.call_soon_threadsafe(settle, outcome, value)
+        except RuntimeError:  # the loop is gone: the call timed out and its round moved on
+            pass
+
+    threading.Thread(target=run, daemon=True, name="tandem-reward").start()
+    return future
+
+
+async def _bounded(reward: NamedReward, start: Callable, n: int) -> list:
+    """The values of `start()`'s awaitable, within the function's timeout, under its policy."""
+    try:
+        async with asyncio.timeout(reward.timeout):
+            return await start()
+    except TimeoutError:
+        if reward.on_timeout == "none":
+            print(f"tandem: warning: reward function {reward.name!r} took longer than reward_timeout={reward.timeout:g}s; "
+                  f"its {n} rewards of this batch are None (reward_on_timeout=none)", file=sys.stderr, flush=True)  # fmt: skip
+            return [None] * n
+        raise RuntimeError(f"reward function {reward.name!r} took longer than reward_timeout={reward.timeout:g}s; "
+                           "raise reward_timeout, or give reward_on_timeout=none to score such a batch as no opinion") from None  # fmt: skip
+    except Exception as exc:
+        raise RuntimeError(f"reward function {reward.name!r} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _column(reward: NamedReward, values, n: int) -> list[float]:
+    """A function's values, checked: n floats or None (NaN), none infinite."""
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+        raise ValueError(f"reward function {reward.name!r} must return a list of {n} floats (one per completion), got {got}")
+    column = []
+    for i, v in enumerate(values):
+        if v is None:
+            v = math.nan
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"reward function {reward.name!r} returned {v!r} for completion {i}; expected a float or None") from None
+        if math.isinf(v):
+            raise ValueError(f"reward function {reward.name!r} returned {v} for completion {i}; rewards must be finite (None or NaN means no opinion)")
+        column.append(float(v))
+    return column
 
 
 def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
@@ -103,4 +196,4 @@ def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
     return torch.where(unknown, torch.full_like(total, math.nan), total)
 
 
-__all__ = ["BUILTIN_REWARDS", "NamedReward", "combine", "completion_text", "load_reward_fn", "load_rewards", "score"]
+__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "combine", "completion_text", "load_reward_fn", "load_rewards", "reward_name", "score"]

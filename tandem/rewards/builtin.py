@@ -4,6 +4,7 @@ Completions are strings for plain-text prompts and `[{"role": "assistant", "cont
 for chat prompts (TRL's convention), so user functions written for TRL work unchanged.
 """
 
+import logging
 import re
 
 
@@ -42,8 +43,32 @@ def length_penalty(prompts, completions, completion_ids=None, max_completion_len
     return [-min(1.0, max(0.0, (len(ids) - start) / (max_completion_length - start))) for ids in completion_ids]
 
 
+def accuracy(prompts, completions, solution=None, **kwargs) -> list[float | None]:
+    """1.0 when the completion's answer equals the row's `solution` by math-verify (equivalent
+    expressions count; LaTeX, boxed or plain), 0.0 when not, None when the solution does not parse.
+
+    math-verify's own timeouts use signals, which work only on the main thread: they are off
+    here, and reward_timeout bounds the call instead.
+    """
+    if solution is None:
+        raise ValueError("accuracy needs a 'solution' column in the dataset")
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its timeouts are off
+    rewards = []
+    for completion, gold_text in zip(completions, solution):
+        gold = parse(str(gold_text), parsing_timeout=None)
+        if not gold:
+            rewards.append(None)
+            continue
+        answer = parse(completion_text(completion), parsing_timeout=None)
+        rewards.append(float(verify(gold, answer, timeout_seconds=None)))
+    return rewards
+
+
 BUILTIN_REWARDS = {
     "exact_match": exact_match,
+    "accuracy": accuracy,
     "think_format": think_format,
     "number_format": number_format,
     "length_penalty": length_penalty,

@@ -15,12 +15,14 @@ import yaml
 
 from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRECTIONS, SCALE_REWARDS
 from tandem.data import PROMPT_TRUNCATION
+from tandem.rewards import ON_TIMEOUT
 from tandem.rollout.types import SamplingParams
 from tandem.trainer.metrics import check_report_to
 
 ROLLOUT_MODES = ("colocate", "server")
 NONFINITE_POLICIES = ("skip", "error")
 WEIGHT_TRANSPORTS = ("auto", "http", "shm")
+REWARD_MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def opt(default, help: str, section: str):
@@ -66,8 +68,13 @@ class TrainConfig:
     repetition_penalty: float = opt(1.0, "Penalise tokens already in the sequence (>1 discourages repeats); 1 disables.", "generation")
 
     # --- rewards ---
-    reward_funcs: list[str] = opt([], "Reward functions: built-in names (exact_match, number_format, think_format, length_penalty), 'path/file.py:fn' or 'package.module:fn'.", "rewards")
+    reward_funcs: list[str] = opt([], "Reward functions: built-in names (exact_match, accuracy, number_format, think_format, length_penalty), 'path/file.py:fn', 'package.module:fn' (plain or async def), or a reward model: 'model:NAME' (HF folder or hub name) or a folder holding a sequence-classification model.", "rewards")
     reward_weights: list[float] | None = opt(None, "One weight per reward function (default all 1.0).", "rewards")
+    reward_timeout: float | None = opt(600.0, "Seconds one call of a reward function may take (on one batch); none: no bound.", "rewards")
+    reward_on_timeout: str = opt("error", "A call past reward_timeout: 'error' stops the run naming the function; 'none' scores that batch as no opinion (None) and warns.", "rewards")
+    reward_model_device: str = opt("auto", "Device of reward models: 'auto' (this process's GPU, else the CPU), or e.g. 'cpu', 'cuda:1'.", "rewards")
+    reward_model_dtype: str = opt("auto", "Dtype of reward models: 'auto' (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16.", "rewards")
+    reward_model_batch_size: int = opt(32, "Completions a reward model scores per forward pass.", "rewards")
 
     # --- batch and schedule ---
     max_steps: int = opt(100, "Optimizer steps to train.", "batch and schedule")
@@ -124,6 +131,11 @@ class TrainConfig:
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+
+    def reward_options(self) -> dict:
+        """load_rewards' keyword arguments."""
+        model_options = {"device": self.reward_model_device, "dtype": self.reward_model_dtype, "batch_size": self.reward_model_batch_size}
+        return {"timeout": self.reward_timeout, "on_timeout": self.reward_on_timeout, "model_options": model_options}
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -206,6 +218,10 @@ class TrainConfig:
             "reward_weights",
             f"give one weight per reward function ({len(self.reward_funcs)})",
         )
+        need(self.reward_timeout is None or self.reward_timeout > 0, "reward_timeout", "must be > 0 seconds, or none for no bound")
+        need(self.reward_on_timeout in ON_TIMEOUT, "reward_on_timeout", f"must be one of {ON_TIMEOUT}")
+        need(self.reward_model_dtype in REWARD_MODEL_DTYPES, "reward_model_dtype", f"must be one of {REWARD_MODEL_DTYPES}")
+        need(self.reward_model_batch_size >= 1, "reward_model_batch_size", "must be >= 1")
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or none")
         need(self.num_completions_to_log >= 0, "num_completions_to_log", "must be >= 0")
