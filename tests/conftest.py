@@ -112,3 +112,24 @@ def kill_server_mid_run(server: "Server", trainer: subprocess.Popen, out: Path, 
         if trainer.poll() is None:
             trainer.kill()
         server.stop()
+
+
+# A training run under a launcher: torchrun (or accelerate launch) for several processes.
+def command(procs: int, args: list, launcher: str = "torchrun") -> list[str]:
+    if procs == 1:
+        return [sys.executable, "-m", "tandem.cli", "train", *map(str, args)]
+    if launcher == "accelerate":
+        # accelerate's --multi_gpu launcher is torchrun; on a machine without GPUs tandem runs gloo on CPU
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port())]
+    return [*launch, "-m", "tandem.cli", "train", *map(str, args)]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def train(procs, args, timeout=300, launcher="torchrun"):
+    proc = subprocess.run(command(procs, args, launcher), capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]

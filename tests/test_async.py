@@ -2,14 +2,12 @@
 server, `tandem train` alone and under torchrun (gloo)."""
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import Server, free_port, kill_server_mid_run
+from conftest import ENV, Server, command, kill_server_mid_run, train
 from tandem.demo import addition_rows, write_jsonl
 
 DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
@@ -51,18 +49,6 @@ def server(tiny_model):
     s.stop()
 
 
-def command(procs: int, args: list, launcher: str = "torchrun") -> list[str]:
-    if procs == 1:
-        return [sys.executable, "-m", "tandem.cli", "train", *map(str, args)]
-    if launcher == "accelerate":
-        # accelerate's --multi_gpu launcher is torchrun; on a machine without GPUs tandem runs gloo on CPU
-        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
-    else:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port())]
-    return [*launch, "-m", "tandem.cli", "train", *map(str, args)]
-
-
 def base_args(tiny_model, data, out, batch, *extra):
     return [
         "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", out,
@@ -70,14 +56,6 @@ def base_args(tiny_model, data, out, batch, *extra):
         "--per_device_train_batch_size", batch, "--max_completion_length", "4", "--learning_rate", "1e-2",
         "--disable_tqdm", "true", "--num_completions_to_log", "64", *extra,
     ]  # fmt: skip
-
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def train(procs, args, timeout=300, launcher="torchrun"):
-    proc = subprocess.run(command(procs, args, launcher), capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def weight_gap(a_dir, b_dir, step: int) -> float:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 from conftest import run_cli
 
-from tandem.rewards import combine, load_reward_fn, load_rewards, score
+from tandem.rewards import close_rewards, combine, load_reward_fn, load_rewards, score
 from tandem.rewards.builtin import accuracy, exact_match, length_penalty, number_format, think_format
 
 
@@ -183,3 +184,47 @@ def test_reward_options_are_checked_before_the_model_loads(tmp_path):
                            (("--reward_model_dtype", "int8"), "reward_model_dtype"), (("--reward_model_batch_size", "0"), "reward_model_batch_size")]:  # fmt: skip
         proc = run_cli("train", "--model_name_or_path", tmp_path / "absent", "--dataset_name", tmp_path / "absent.jsonl", "--reward_funcs", "exact_match", *flags)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_worker_processes_split_the_batch_and_run_signal_timeouts_a_thread_cannot(tmp_path):
+    f = _module(tmp_path, """
+import os, time
+from math_verify import parse
+def pid(prompts, completions, **kw):
+    return [float(os.getpid())] * len(completions)
+def parsed(prompts, completions, **kw):  # math-verify's default timeout sets a SIGALRM: main thread only
+    return [float(len(parse(c)) > 0) for c in completions]
+def hangs(prompts, completions, **kw):
+    time.sleep(60)
+""")
+    with pytest.raises(RuntimeError, match="'parsed' raised ValueError: Math-Verify 'parse' function doesn't support threaded"):
+        score(load_rewards([f"{f}:parsed"], None), prompts=["p"], completions=["1"])
+    rewards = load_rewards([f"{f}:pid", f"{f}:parsed", f"{f}:hangs"], None, timeout=20, on_timeout="none", num_workers=2)
+    try:
+        table = score(rewards[:2], prompts=["p"] * 5, completions=["1", "2", "x", "3", "4"])
+        pids = table[:, 0].tolist()
+        assert len(set(pids)) == 2 and os.getpid() not in pids  # two slices, one per worker
+        assert pids[:2] == [pids[0]] * 2 and pids[3:] == [pids[4]] * 2  # contiguous slices, in order
+        assert table[:, 1].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0]
+        rewards[2].fn.timeout = 0.5  # the pool enforces the timeout, and ends the stuck worker
+        start = time.monotonic()
+        assert torch.isnan(score(rewards[2:], prompts=["p"], completions=["1"])).all()
+        assert time.monotonic() - start < 10
+        assert score(rewards[:1], prompts=["p"], completions=["1"]).tolist() != [pids[:1]]  # a fresh pool
+    finally:
+        close_rewards(rewards)
+
+
+def test_reward_workers_score_a_run_as_the_thread_does(tiny_model, tmp_path):
+    from tandem.demo import addition_rows, write_jsonl
+
+    data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
+    runs = {}
+    for workers in ("0", "2"):
+        out = tmp_path / f"workers{workers}"
+        proc = run_cli("train", "--config", EXAMPLES / "addition.yaml", "--model_name_or_path", tiny_model, "--dataset_name", data,
+                       "--output_dir", out, "--max_steps", "3", "--reward_funcs", "exact_match", "number_format", "--reward_num_workers", workers)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[workers] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = ["reward", "rewards/exact_match/mean", "rewards/number_format/mean", "loss"]
+    assert [[m[k] for k in keys] for m in runs["0"]] == [[m[k] for k in keys] for m in runs["2"]]

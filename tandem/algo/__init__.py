@@ -1,6 +1,6 @@
 """Pure tensor math of GRPO: tensors and plain numbers in, (value, metrics) out."""
 
-from tandem.algo.advantages import SCALE_REWARDS, group_advantages, nanstd
+from tandem.algo.advantages import SCALE_REWARDS, group_advantages, nanstd, zero_std_groups
 from tandem.algo.importance import OFF_POLICY_CORRECTIONS, importance_weights
 from tandem.algo.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs
 from tandem.algo.losses import (
@@ -27,4 +27,5 @@ __all__ = [
     "register_loss",
     "selective_log_softmax",
     "token_logprobs",
+    "zero_std_groups",
 ]

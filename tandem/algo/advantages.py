@@ -15,6 +15,12 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.sqrt(total / (count - 1).clamp(min=0))  # 0/0: NaN below two values
 
 
+def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(B,) True for each group whose rewards all agree (or are too few to differ): its
+    advantages are 0 and it teaches nothing. rewards: (B*G,), NaN for unknown."""
+    return nanstd(rewards.view(-1, num_generations), dim=1).nan_to_num(0.0) < 1e-6
+
+
 def group_advantages(
     rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -42,6 +48,6 @@ def group_advantages(
     advantages = advantages.nan_to_num(0.0).reshape(-1)  # (N,)
     stats = {
         "reward_std_in_group": torch.nanmean(group_std).detach(),
-        "frac_groups_zero_std": (group_std.nan_to_num(0.0) < 1e-6).float().mean().detach(),
+        "frac_groups_zero_std": zero_std_groups(rewards, num_generations).float().mean().detach(),
     }
     return advantages, stats

@@ -16,6 +16,7 @@ import torch
 
 from tandem.rewards import model as reward_model
 from tandem.rewards.builtin import BUILTIN_REWARDS, completion_text
+from tandem.rewards.workers import PooledReward, WorkerPool
 
 RewardFn = Callable[..., list]
 ON_TIMEOUT = ("error", "none")
@@ -78,7 +79,9 @@ def reward_name(spec: str) -> str:
 
 
 def load_rewards(specs: list[str], weights: list[float] | None, timeout: float | None = None, on_timeout: str = "error",
-                 model_options: dict | None = None) -> list[NamedReward]:  # fmt: skip
+                 model_options: dict | None = None, num_workers: int = 0) -> list[NamedReward]:  # fmt: skip
+    """The reward functions, loaded and checked. With num_workers, the plain functions (not
+    async ones, not reward models) score in that many worker processes; close_rewards ends them."""
     if not specs:
         raise ValueError("reward_funcs is empty; give at least one, e.g. --reward_funcs exact_match")
     if weights is None:
@@ -88,7 +91,21 @@ def load_rewards(specs: list[str], weights: list[float] | None, timeout: float |
     names = [reward_name(spec) for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"reward_funcs {specs} has two functions of the same name; their metrics would collide")
-    return [NamedReward(name, load_reward_fn(spec, model_options), float(w), timeout, on_timeout) for name, spec, w in zip(names, specs, weights)]
+    fns = [load_reward_fn(spec, model_options) for spec in specs]
+    if num_workers:
+        pool = WorkerPool(num_workers)
+        for i, (spec, fn) in enumerate(zip(specs, fns)):
+            if not inspect.iscoroutinefunction(fn) and not isinstance(fn, reward_model.RewardModel):
+                fns[i] = PooledReward(spec, pool)
+                fns[i].timeout = timeout
+    return [NamedReward(name, fn, float(w), timeout, on_timeout) for name, fn, w in zip(names, fns, weights)]
+
+
+def close_rewards(rewards: list[NamedReward]) -> None:
+    """End the worker processes of pooled functions, if any."""
+    for reward in rewards:
+        if isinstance(reward.fn, PooledReward):
+            reward.fn.pool.close()
 
 
 def score(rewards: list[NamedReward], prompts: list, completions: list, **kwargs) -> torch.Tensor:
@@ -151,8 +168,9 @@ def _in_thread(fn: RewardFn, kwargs: dict) -> asyncio.Future:
 
 async def _bounded(reward: NamedReward, start: Callable, n: int) -> list:
     """The values of `start()`'s awaitable, within the function's timeout, under its policy."""
+    limit = None if isinstance(reward.fn, PooledReward) else reward.timeout  # the pool bounds its own calls, and ends stuck workers
     try:
-        async with asyncio.timeout(reward.timeout):
+        async with asyncio.timeout(limit):
             return await start()
     except TimeoutError:
         if reward.on_timeout == "none":
@@ -196,4 +214,4 @@ def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
     return torch.where(unknown, torch.full_like(total, math.nan), total)
 
 
-__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "combine", "completion_text", "load_reward_fn", "load_rewards", "reward_name", "score"]
+__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "combine", "completion_text", "close_rewards", "load_reward_fn", "load_rewards", "reward_name", "score"]

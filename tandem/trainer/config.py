@@ -72,9 +72,12 @@ class TrainConfig:
     reward_weights: list[float] | None = opt(None, "One weight per reward function (default all 1.0).", "rewards")
     reward_timeout: float | None = opt(600.0, "Seconds one call of a reward function may take (on one batch); none: no bound.", "rewards")
     reward_on_timeout: str = opt("error", "A call past reward_timeout: 'error' stops the run naming the function; 'none' scores that batch as no opinion (None) and warns.", "rewards")
+    reward_num_workers: int = opt(0, "Worker processes that score plain (not async) reward functions, each batch split between them: for CPU-heavy functions. 0: a thread of this process.", "rewards")
     reward_model_device: str = opt("auto", "Device of reward models: 'auto' (this process's GPU, else the CPU), or e.g. 'cpu', 'cuda:1'.", "rewards")
     reward_model_dtype: str = opt("auto", "Dtype of reward models: 'auto' (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16.", "rewards")
     reward_model_batch_size: int = opt(32, "Completions a reward model scores per forward pass.", "rewards")
+    dynamic_sample: bool = opt(False, "DAPO's dynamic sampling: groups whose rewards all agree (zero std, no learning signal) are replaced by groups of new prompts.", "rewards")
+    max_resample_times: int = opt(3, "With dynamic_sample: at most this many draws of new prompts per round; a round still short keeps some agreeing groups.", "rewards")
 
     # --- batch and schedule ---
     max_steps: int = opt(100, "Optimizer steps to train.", "batch and schedule")
@@ -135,7 +138,7 @@ class TrainConfig:
     def reward_options(self) -> dict:
         """load_rewards' keyword arguments."""
         model_options = {"device": self.reward_model_device, "dtype": self.reward_model_dtype, "batch_size": self.reward_model_batch_size}
-        return {"timeout": self.reward_timeout, "on_timeout": self.reward_on_timeout, "model_options": model_options}
+        return {"timeout": self.reward_timeout, "on_timeout": self.reward_on_timeout, "model_options": model_options, "num_workers": self.reward_num_workers}
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -222,6 +225,8 @@ class TrainConfig:
         need(self.reward_on_timeout in ON_TIMEOUT, "reward_on_timeout", f"must be one of {ON_TIMEOUT}")
         need(self.reward_model_dtype in REWARD_MODEL_DTYPES, "reward_model_dtype", f"must be one of {REWARD_MODEL_DTYPES}")
         need(self.reward_model_batch_size >= 1, "reward_model_batch_size", "must be >= 1")
+        need(self.max_resample_times >= 0, "max_resample_times", "must be >= 0")
+        need(self.reward_num_workers >= 0, "reward_num_workers", "must be >= 0 (0 scores in a thread of the training process)")
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1 or none")
         need(self.num_completions_to_log >= 0, "num_completions_to_log", "must be >= 0")

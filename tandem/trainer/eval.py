@@ -98,4 +98,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
         tokenizer.pad_token = tokenizer.eos_token
     table, _ = load_prompts(config, tokenizer)
     engine = TransformersEngine(lm.eval(), eos_token_ids(tokenizer, lm.generation_config, model), tokenizer.pad_token_id)
-    return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, seed, pass_threshold)
+    try:
+        return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, seed, pass_threshold)
+    finally:
+        rewards_lib.close_rewards(reward_fns)

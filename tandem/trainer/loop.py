@@ -62,6 +62,7 @@ class _Scores:
     stats: dict  # detached statistics of group_advantages
     lengths: torch.Tensor  # (N,) completion lengths
     truncated: torch.Tensor  # (N,) 1 where the completion hit max_completion_length
+    resampling: torch.Tensor  # (2,) dynamic sampling over every rank: groups dropped, completions generated for them
 
 
 class Trainer:
@@ -136,12 +137,13 @@ class Trainer:
             len(self.table.prompt_ids), config.completions_per_round() // G, config.seed, self.rank, self.world, config.shuffle_dataset
         )
         args = (self.table, self.sampler, self.engine, self.tokenizer, self.reward_fns, config.sampling_params(), G, config.seed)
+        resample = {"max_resample_times": config.max_resample_times if config.dynamic_sample else None}
         if config.async_generate:
             round_timeout = config.rollout_server_timeout + config.rollout_request_timeout + 60
             last_round = math.ceil(config.max_steps / config.steps_per_round()) - 1
-            self.producer = AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=round_timeout, last_round=last_round)
+            self.producer = AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=round_timeout, last_round=last_round, **resample)
         else:
-            self.producer = SyncProducer(*args)
+            self.producer = SyncProducer(*args, **resample)
         ready = []
         if state:
             self.sampler.load_state_dict(state["sampler"])
@@ -314,6 +316,7 @@ class Trainer:
             stats=stats,
             lengths=self._gather(torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float)),  # (N,)
             truncated=self._gather(torch.tensor([r.truncated for r in rollouts], dtype=torch.float)),  # (N,)
+            resampling=self._gather(torch.tensor([rnd.dropped_groups, rnd.resampled_completions])).view(-1, 2).sum(0),  # (2,)
         )
 
     def _micro_batches(self, order: list[int], opt_step: int) -> list[list[int]]:
@@ -338,6 +341,9 @@ class Trainer:
         record.setdefault("kl", None)  # no reference model when beta = 0
         record.update(round_metrics(rnd, self.reward_names, scores.table, scores.rewards, scores.stats, scores.lengths, scores.truncated, round_seconds, first))
         record["prompts_skipped"] = self.skipped_prompts
+        if self.config.dynamic_sample:  # on the round's first step, like its generate time
+            dropped, resampled = scores.resampling.tolist() if first else (0, 0)
+            record.update({"dynamic_sample/dropped_groups": dropped, "dynamic_sample/resampled_completions": resampled})
         return record
 
     # ------------------------------------------------------------------ phases
@@ -550,6 +556,7 @@ class Trainer:
         """After a failure the process group is left alone: destroying it could wait on a rank
         that is stuck in a collective; the launcher ends the other ranks when this one exits."""
         self.producer.close()
+        rewards_lib.close_rewards(self.reward_fns)
         if self.servers is not None:
             self.servers.close()
         for w in (self.metrics_log, self.completions_log, self.eval_log):

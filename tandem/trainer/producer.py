@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tandem import rewards as rewards_lib
+from tandem.algo import zero_std_groups
 from tandem.data import GroupSampler
 from tandem.rollout.engine import Engine
 from tandem.rollout.types import Rollout, SamplingParams
@@ -59,6 +60,8 @@ class Round:
     reward_seconds: float
     sampler_state: dict  # the sampler right after this round took its prompts
     wait_seconds: float = 0.0  # how long the trainer sat waiting for this round
+    dropped_groups: int = 0  # dynamic sampling: groups of agreeing rewards left out of the round
+    resampled_completions: int = 0  # dynamic sampling: completions generated to replace them
 
     def to_dict(self) -> dict:
         """JSON-ready (floats round-trip exactly through JSON; NaN rewards become null)."""
@@ -70,6 +73,8 @@ class Round:
             "generate_seconds": self.generate_seconds,
             "reward_seconds": self.reward_seconds,
             "sampler_state": self.sampler_state,
+            "dropped_groups": self.dropped_groups,
+            "resampled_completions": self.resampled_completions,
         }
 
     @classmethod
@@ -78,6 +83,7 @@ class Round:
         return cls(
             d["index"], [Rollout(**r) for r in d["rollouts"]], rewards, d["completions"],
             d["generate_seconds"], d["reward_seconds"], d["sampler_state"],
+            dropped_groups=d.get("dropped_groups", 0), resampled_completions=d.get("resampled_completions", 0),
         )  # fmt: skip
 
 
@@ -95,6 +101,7 @@ class SyncProducer:
         num_generations: int,
         seed: int,
         max_staleness: int = 0,
+        max_resample_times: int | None = None,
     ):
         self.table = table
         self.sampler = sampler
@@ -105,6 +112,7 @@ class SyncProducer:
         self.num_generations = num_generations
         self.seed = seed
         self.max_staleness = max_staleness
+        self.max_resample_times = max_resample_times  # None: no dynamic sampling
         self.round_index = 0  # the next round the trainer will get
         self._ready: dict[int, Round] = {}
 
@@ -139,17 +147,27 @@ class SyncProducer:
 
     def _make_round(self, r: int) -> Round:
         indices, slots = self.sampler.next_round()
+        times = [0.0, 0.0]  # generate, reward
+        rollouts, table, completions = self._generate(r, indices, slots, times)
+        dropped = resampled = 0
+        if self.max_resample_times is not None:
+            rollouts, table, completions, dropped, resampled = self._resample(r, rollouts, table, completions, times)
+        return Round(r, rollouts, table, completions, times[0], times[1], self.sampler.state_dict(),
+                     dropped_groups=dropped, resampled_completions=resampled)  # fmt: skip
+
+    def _generate(self, r: int, indices: list[int], slots: list[int], times: list[float]) -> tuple[list[Rollout], torch.Tensor, list]:
+        """The G completions of each prompt, scored; their seeds come from (round, slot)."""
         G = self.num_generations
         prompt_ids = [self.table.prompt_ids[i] for i in indices for _ in range(G)]
         seeds = [completion_seed(self.seed, r, s, g) for s in slots for g in range(G)]
-
         t0 = time.perf_counter()
         outs = self.engine.generate(prompt_ids, self.params, seeds, min_version=max(0, r - self.max_staleness))
         t1 = time.perf_counter()
+        stride = self.sampler.prompts_per_rank * self.sampler.world_size * (1 + (self.max_resample_times or 0))
         rollouts = [
             Rollout(
                 prompt_index=indices[k // G],
-                group_id=r * self.sampler.prompts_per_rank * self.sampler.world_size + slots[k // G],
+                group_id=r * stride + slots[k // G],
                 prompt_ids=prompt_ids[k],
                 completion_ids=out.token_ids,
                 behav_logprobs=out.logprobs,
@@ -159,8 +177,44 @@ class SyncProducer:
             for k, out in enumerate(outs)
         ]
         table, completions = self.score(rollouts)
-        t2 = time.perf_counter()
-        return Round(r, rollouts, table, completions, t1 - t0, t2 - t1, self.sampler.state_dict())
+        times[0] += t1 - t0
+        times[1] += time.perf_counter() - t1
+        return rollouts, table, completions
+
+    def _resample(self, r: int, rollouts: list[Rollout], table: torch.Tensor, completions: list, times: list[float]):
+        """DAPO's dynamic sampling: groups whose rewards all agree are replaced by groups of new
+        prompts, up to max_resample_times draws; a round still short then takes back the first
+        dropped groups, so every rank trains on its full number of groups.
+
+        Each rank resamples on its own (no collective: this may run in the producer's thread).
+        Draw k of round r on rank q takes prompts at random from the whole dataset, seeded by
+        (seed, r, q, k), and slots past the round's, so nothing depends on timing or on the
+        sampler's stream: a resumed or async run draws the same prompts and completions.
+        """
+        G, B, world = self.num_generations, self.sampler.prompts_per_rank, self.sampler.world_size
+        weights = [f.weight for f in self.reward_fns]
+        groups = _split_groups(rollouts, table, completions, G)
+        zero = zero_std_groups(rewards_lib.combine(table, weights), G).tolist()
+        kept = [g for g, z in zip(groups, zero) if not z]
+        dropped = [g for g, z in zip(groups, zero) if z]
+        resampled = 0
+        for draw in range(self.max_resample_times):
+            need = B - len(kept)
+            if need == 0:
+                break
+            gen = torch.Generator().manual_seed(completion_seed(self.seed, r, self.sampler.rank, draw) & (2**63 - 1))
+            indices = torch.randperm(len(self.table.prompt_ids), generator=gen)[:need].tolist()
+            indices = (indices * need)[:need]  # a dataset smaller than the need repeats its prompts
+            slots = [(1 + draw) * B * world + self.sampler.rank * B + j for j in range(need)]
+            new = _split_groups(*self._generate(r, indices, slots, times), G)
+            resampled += need * G
+            new_zero = zero_std_groups(rewards_lib.combine(torch.cat([g[1] for g in new]), weights), G).tolist()
+            kept += [g for g, z in zip(new, new_zero) if not z]
+            dropped += [g for g, z in zip(new, new_zero) if z]
+        refill = dropped[: B - len(kept)]
+        kept += refill
+        out_rollouts = [ro for g in kept for ro in g[0]]
+        return out_rollouts, torch.cat([g[1] for g in kept]), [c for g in kept for c in g[2]], len(dropped) - len(refill), resampled
 
     def score(self, rollouts: list[Rollout]) -> tuple[torch.Tensor, list]:
         return score_rollouts(self.table, self.tokenizer, self.reward_fns, self.params.max_tokens, rollouts)
@@ -182,6 +236,11 @@ def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.N
         **columns,
     )
     return scores, completions
+
+
+def _split_groups(rollouts: list[Rollout], table: torch.Tensor, completions: list, G: int) -> list[tuple]:
+    """(rollouts, rewards (G, F), completions) of each group, in order."""
+    return [(rollouts[i : i + G], table[i : i + G], completions[i : i + G]) for i in range(0, len(rollouts), G)]
 
 
 class AsyncProducer(SyncProducer):

@@ -1,0 +1,74 @@
+"""Plain reward functions in a pool of worker processes (`reward_num_workers`).
+
+A batch is cut into one contiguous slice per worker; each worker loads the function from its
+spec ("file.py:fn", "module:fn" or a built-in name) and scores its slice, so CPU-heavy functions
+run in parallel, each on its own main thread (where signal-based timeouts, such as
+math-verify's defaults, work). A call past its timeout terminates the pool, stuck worker
+included, and the next call starts a fresh one.
+"""
+
+import multiprocessing
+import time
+
+_FNS: dict = {}  # in a worker: spec -> function
+
+
+def _start_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the pool's workers share the cores
+
+
+def _score_slice(spec: str, kwargs: dict) -> list:
+    from tandem.rewards import load_reward_fn
+
+    if spec not in _FNS:
+        _FNS[spec] = load_reward_fn(spec)
+    return list(_FNS[spec](**kwargs))
+
+
+class WorkerPool:
+    def __init__(self, num_workers: int):
+        self.num_workers = num_workers
+        self._pool = None
+
+    def _started(self):
+        if self._pool is None:
+            # spawn: a fork of a process with torch's threads and the producer's thread can deadlock
+            self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_start_worker)
+        return self._pool
+
+    def score(self, spec: str, kwargs: dict, timeout: float | None) -> list:
+        """fn(**kwargs) over the workers: every list argument as long as the batch is sliced, the
+        rest passed whole. Raises TimeoutError (after terminating the pool) past `timeout`."""
+        n = len(kwargs["completions"])
+        parts = min(self.num_workers, n) or 1
+        bounds = [n * i // parts for i in range(parts + 1)]
+        slices = [
+            {k: v[lo:hi] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in kwargs.items()}
+            for lo, hi in zip(bounds, bounds[1:])
+        ]
+        pending = [self._started().apply_async(_score_slice, (spec, part)) for part in slices]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            return [value for result in pending for value in result.get(None if deadline is None else max(0.0, deadline - time.monotonic()))]
+        except multiprocessing.TimeoutError:
+            self.close()
+            raise TimeoutError(f"reward workers took longer than {timeout}s") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+
+class PooledReward:
+    """A plain reward function, called like one, that scores in the pool's worker processes."""
+
+    def __init__(self, spec: str, pool: WorkerPool):
+        self.spec, self.pool = spec, pool
+        self.timeout: float | None = None  # set by load_rewards: the pool enforces it
+
+    def __call__(self, **kwargs) -> list:
+        return self.pool.score(self.spec, kwargs, self.timeout)
