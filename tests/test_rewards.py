@@ -11,6 +11,7 @@ import torch
 
 from conftest import run_cli
 
+from tandem.demo import addition_rows, write_jsonl
 from tandem.rewards import close_rewards, combine, load_reward_fn, load_rewards, score
 from tandem.rewards.builtin import accuracy, exact_match, length_penalty, number_format, think_format
 
@@ -153,8 +154,6 @@ def fine(prompts, completions, **kw):
 def test_a_reward_model_scores_through_the_cli_as_transformers_scores_each_text_alone(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from tandem.demo import addition_rows, write_jsonl
-
     rm, policy, data = tmp_path / "rm", tmp_path / "policy", tmp_path / "data.jsonl"
     assert run_cli("init-model", rm, "--size", "tiny", "--reward-model", "--seed", "1").returncode == 0
     assert run_cli("init-model", policy, "--size", "tiny").returncode == 0
@@ -179,11 +178,14 @@ def test_a_reward_model_scores_through_the_cli_as_transformers_scores_each_text_
     assert len(spread) > 1  # the scores depend on the text
 
 
-def test_reward_options_are_checked_before_the_model_loads(tmp_path):
+def test_reward_options_are_checked_before_the_model_loads(tiny_model, tmp_path):
     for flags, message in [(("--reward_timeout", "0"), "reward_timeout"), (("--reward_on_timeout", "skip"), "reward_on_timeout"),
                            (("--reward_model_dtype", "int8"), "reward_model_dtype"), (("--reward_model_batch_size", "0"), "reward_model_batch_size")]:  # fmt: skip
         proc = run_cli("train", "--model_name_or_path", tmp_path / "absent", "--dataset_name", tmp_path / "absent.jsonl", "--reward_funcs", "exact_match", *flags)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
+    proc = run_cli("train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", f"model:{tmp_path / 'no_model'}")
+    assert proc.returncode == 2 and "config error: reward_funcs entry 'model:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_worker_processes_split_the_batch_and_run_signal_timeouts_a_thread_cannot(tmp_path):
@@ -216,8 +218,6 @@ def hangs(prompts, completions, **kw):
 
 
 def test_reward_workers_score_a_run_as_the_thread_does(tiny_model, tmp_path):
-    from tandem.demo import addition_rows, write_jsonl
-
     data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
     runs = {}
     for workers in ("0", "2"):

@@ -37,7 +37,10 @@ def load_reward_fn(spec: str, model_options: dict | None = None) -> RewardFn:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if reward_model.is_reward_model(spec):
-        return reward_model.RewardModel(spec, **(model_options or {}))
+        try:
+            return reward_model.RewardModel(spec, **(model_options or {}))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"reward_funcs entry {spec!r}: no sequence-classification model loads from there ({exc})") from exc
     if ":" not in spec:
         raise ValueError(
             f"reward_funcs entry {spec!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "

@@ -135,10 +135,15 @@ class TrainConfig:
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
 
-    def reward_options(self) -> dict:
-        """load_rewards' keyword arguments."""
+    def load_rewards(self) -> list:
+        """The reward functions, loaded; a spec that does not load is a config error naming it."""
+        from tandem import rewards
+
         model_options = {"device": self.reward_model_device, "dtype": self.reward_model_dtype, "batch_size": self.reward_model_batch_size}
-        return {"timeout": self.reward_timeout, "on_timeout": self.reward_on_timeout, "model_options": model_options, "num_workers": self.reward_num_workers}
+        try:
+            return rewards.load_rewards(self.reward_funcs, self.reward_weights, self.reward_timeout, self.reward_on_timeout, model_options, self.reward_num_workers)
+        except (ValueError, OSError, ImportError) as exc:
+            raise ConfigError(str(exc)) from exc
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(

@@ -86,7 +86,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
     config = TrainConfig(model_name_or_path=model, dataset_name=dataset, reward_funcs=reward_funcs, reward_weights=reward_weights,
                          max_completion_length=max_completion_length, temperature=temperature, max_prompt_length=max_prompt_length, seed=seed)  # fmt: skip
     config.validate()
-    reward_fns = rewards_lib.load_rewards(reward_funcs, reward_weights, **config.reward_options())
+    reward_fns = config.load_rewards()
     if (Path(model) / "adapter_config.json").is_file():  # a LoRA checkpoint: its base model with the adapters
         from tandem.trainer.lora import from_checkpoint
 

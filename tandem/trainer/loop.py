@@ -98,7 +98,7 @@ class Trainer:
             self.accelerator.init_trackers("tandem", config=metrics.hyperparameters(config.to_dict()), init_kwargs={"wandb": {"dir": str(self.out)}})
 
         # Cheap checks first: reward functions and the dataset fail before the model loads.
-        self.reward_fns = rewards_lib.load_rewards(config.reward_funcs, config.reward_weights, **config.reward_options())
+        self.reward_fns = config.load_rewards()
         self.reward_names = [fn.name for fn in self.reward_fns]
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
         if self.tokenizer.pad_token_id is None:
