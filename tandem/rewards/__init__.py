@@ -99,8 +99,7 @@ def load_rewards(specs: list[str], weights: list[float] | None, timeout: float |
         pool = WorkerPool(num_workers)
         for i, (spec, fn) in enumerate(zip(specs, fns)):
             if not inspect.iscoroutinefunction(fn) and not isinstance(fn, reward_model.RewardModel):
-                fns[i] = PooledReward(spec, pool)
-                fns[i].timeout = timeout
+                fns[i] = PooledReward(spec, pool, timeout)
     return [NamedReward(name, fn, float(w), timeout, on_timeout) for name, fn, w in zip(names, fns, weights)]
 
 

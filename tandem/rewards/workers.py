@@ -66,9 +66,8 @@ class WorkerPool:
 class PooledReward:
     """A plain reward function, called like one, that scores in the pool's worker processes."""
 
-    def __init__(self, spec: str, pool: WorkerPool):
-        self.spec, self.pool = spec, pool
-        self.timeout: float | None = None  # set by load_rewards: the pool enforces it
+    def __init__(self, spec: str, pool: WorkerPool, timeout: float | None):
+        self.spec, self.pool, self.timeout = spec, pool, timeout  # the pool enforces the timeout
 
     def __call__(self, **kwargs) -> list:
         return self.pool.score(self.spec, kwargs, self.timeout)
