@@ -38,6 +38,12 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--reward_weights", "1", "2"], "reward_weights"),
         (["--gradient_accumulation_steps", "2", "--steps_per_generation", "3"], "steps_per_generation"),
         (["--max_steps", "0"], "max_steps"),
+        (["--reward_timeout", "0"], "reward_timeout"),
+        (["--reward_on_timeout", "skip"], "reward_on_timeout"),
+        (["--reward_model_dtype", "int8"], "reward_model_dtype"),
+        (["--reward_model_batch_size", "0"], "reward_model_batch_size"),
+        (["--reward_num_workers", "-1"], "reward_num_workers"),
+        (["--max_resample_times", "-1"], "max_resample_times"),
     ],
 )
 def test_bad_values_name_the_field(extra, field):
