@@ -1,4 +1,4 @@
-"""The `tandem` command: train, rollout, init-model, merge, eval, plot, show, demo."""
+"""The `tandem` command: train, rollout, init-model, merge, export, eval, plot, show, demo."""
 
 import argparse
 import logging
@@ -56,6 +56,14 @@ def _merge(args: argparse.Namespace) -> int:
 
     out = export_merged(Path(args.checkpoint), Path(args.out))
     print(f"wrote base model + adapters of {args.checkpoint} as one model to {out} (loads with AutoModelForCausalLM)")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tandem.trainer.sharding import export
+
+    out = export(Path(args.checkpoint), Path(args.out))
+    print(f"wrote the sharded weights of {args.checkpoint} as one model to {out} (loads with AutoModelForCausalLM)")
     return 0
 
 
@@ -162,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint folder of a use_peft run (holds adapter_config.json)")
     p.add_argument("out", help="folder to write the merged model and tokenizer to (HF format)")
     p.set_defaults(run=_files_command(_merge))
+
+    p = sub.add_parser("export", help="write a sharded (fsdp) checkpoint's weights as one HF model, on one process")
+    p.add_argument("checkpoint", help="a checkpoint folder of an fsdp run (holds sharded/)")
+    p.add_argument("out", help="folder to write the model and tokenizer to (HF format)")
+    p.set_defaults(run=_files_command(_export))
 
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on prompts: mean rewards, pass@1 and pass@k; prints a table, writes JSON",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip

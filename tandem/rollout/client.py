@@ -12,7 +12,7 @@ import requests
 import torch
 
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import buckets, host_id, safetensors_stream, sealed_memfd, shm_available
+from tandem.rollout.weights import StagedWeights, buckets, host_id, safetensors_stream, sealed_memfd, shm_available
 
 log = logging.getLogger("tandem")
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
@@ -208,8 +208,11 @@ class RolloutClient:
         weights (tandem.rollout.adapters).
 
         The tensors are copied first: the copy is what a restarted server gets back, and the
-        trainer may change its own weights while a generation with these is still in flight."""
-        named = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in named]
+        trainer may change its own weights while a generation with these is still in flight.
+        StagedWeights (sharded training) are that copy already, on disk, and are read a bucket
+        at a time."""
+        if not isinstance(named, StagedWeights):
+            named = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in named]
         self._last_pushed = (version, named, adapter)
 
         def one(url):
@@ -235,7 +238,7 @@ class RolloutClient:
                 return version
             body = {"version": version, "force": force, "num_tensors": len(named), "adapter": adapter}
             uid = self._call("POST", url, "/weights/begin", "a weight update", instance, json=body)["update_id"]
-            for bucket in buckets(named, self.bucket_bytes):
+            for bucket in named.buckets() if isinstance(named, StagedWeights) else buckets(named, self.bucket_bytes):
                 if self._use_shm(url):
                     fd = sealed_memfd(safetensors_stream(bucket)[1])
                     try:

@@ -1,6 +1,6 @@
 """Generation engines behind one small interface. The transformers engine comes first."""
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -88,10 +88,14 @@ class TransformersEngine:
 
     max_concurrency = 1
 
-    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int, version: int = 0):
+    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int, version: int = 0, all_done: Callable[[bool], bool] | None = None):
+        """`all_done` (a sharded model, whose every forward is a collective): given whether this
+        process's sequences are all finished, whether every process's are; decoding goes on, on
+        finished rows, until they are, so every process makes the same forward calls."""
         if not eos_token_ids:
             raise ValueError("the engine needs at least one EOS token id to know when a completion stops")
         self.model = model
+        self.all_done = all_done
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.version = version
@@ -203,9 +207,14 @@ class TransformersEngine:
             done |= hit_eos
             if params.repetition_penalty != 1.0:
                 seen[torch.arange(len(live), device=device), tok] = True
-            if bool(done.all()) or step == params.max_tokens - 1:
+            if step == params.max_tokens - 1:
                 break
-            if 4 * int(done.sum()) >= len(done):
+            finished = bool(done.all())
+            if self.all_done is not None:
+                finished = self.all_done(finished)
+            if finished:
+                break
+            if 4 * int(done.sum()) >= len(done) and not done.all():  # a finished batch keeps its rows while others decode
                 keep = (~done).nonzero().squeeze(1)  # (M',)
                 cache.reorder_cache(keep)
                 live, tok, done, attention, step_pos, seen = live[keep], tok[keep], done[keep], attention[keep], step_pos[keep], seen[keep]

@@ -7,22 +7,76 @@ import math
 import mmap
 import os
 import re
+import shutil
 import socket
 import stat
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over names, dtypes, shapes and bytes, in name order. Equal iff the weights are equal
-    bit for bit (and held in the same dtype)."""
+def fingerprint(named: Iterable[tuple[str, torch.Tensor]], ordered: bool = False) -> str:
+    """sha256 over names, dtypes, shapes and bytes, in name order (`ordered`: they come in name
+    order already, and are hashed as they come). Equal iff the weights are equal bit for bit (and
+    held in the same dtype). StagedWeights are read one tensor at a time."""
     h = hashlib.sha256()
-    for name, t in sorted(named, key=lambda kv: kv[0]):
+    for name, t in named if ordered else in_name_order(named):
         t = t.detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def in_name_order(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) sorted by name; StagedWeights load each tensor only when it is reached."""
+    return named.sorted() if isinstance(named, StagedWeights) else iter(sorted(named, key=lambda kv: kv[0]))
+
+
+class StagedWeights:
+    """Weights kept on disk, one safetensors file per bucket: what a trainer pushes when it holds
+    no full copy of them (sharded training). The push reads one bucket at a time, and so does a
+    restarted server's resync, so neither needs the whole set in memory."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.files = sorted(self.folder.glob("bucket-*.safetensors"))
+        self._names = {}  # tensor name -> its file
+        for f in self.files:
+            with safe_open(f, "pt") as fh:
+                self._names.update(dict.fromkeys(fh.keys(), f))
+
+    @classmethod
+    def write(cls, named: Iterable[tuple[str, torch.Tensor]], folder: Path, bucket_bytes: int) -> "StagedWeights":
+        """Write `named` (consumed as it comes) into `folder`, which must not exist, one bucket at a
+        time; each bucket is freed once written."""
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for i, bucket in enumerate(buckets(named, bucket_bytes)):
+            save_file(bucket, str(tmp / f"bucket-{i:05d}.safetensors"))
+        os.replace(tmp, folder)
+        return cls(folder)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        for f in self.files:
+            yield load_file(f)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.buckets():
+            yield from bucket.items()
+
+    def sorted(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in sorted(self._names):
+            with safe_open(self._names[name], "pt") as f:
+                yield name, f.get_tensor(name)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:

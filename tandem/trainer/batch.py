@@ -35,11 +35,12 @@ MAX_BUCKETS = 4
 BUCKET_COST = 64
 
 
-def length_buckets(lengths: list[int], max_buckets: int = MAX_BUCKETS, bucket_cost: int = BUCKET_COST) -> list[list[int]]:
+def length_buckets(lengths: list[int], max_buckets: int = MAX_BUCKETS, bucket_cost: int = BUCKET_COST, exactly: int | None = None) -> list[list[int]]:
     """Split sequences into at most `max_buckets` groups, each padded to its own longest, so that
-    tokens run plus `bucket_cost` per group are fewest (the fewest groups among equal splits). An
-    exact dynamic program over the lengths sorted longest first, where an optimal split is
-    contiguous. Returns the indices of each group, longest group first."""
+    tokens run plus `bucket_cost` per group are fewest (the fewest groups among equal splits);
+    or into `exactly` groups (at most len(lengths)) with the fewest tokens. An exact dynamic
+    program over the lengths sorted longest first, where an optimal split is contiguous.
+    Returns the indices of each group, longest group first."""
     n = len(lengths)
     order = sorted(range(n), key=lambda i: -lengths[i])
     width = torch.tensor([lengths[i] for i in order], dtype=torch.float64)  # (n,), descending
@@ -49,11 +50,14 @@ def length_buckets(lengths: list[int], max_buckets: int = MAX_BUCKETS, bucket_co
     best = torch.full((n + 1,), torch.inf, dtype=torch.float64)  # best[j]: fewest tokens for sequences 0..j-1 ...
     best[0] = 0.0  # ... in exactly k groups; k = 0 here
     starts, totals = [], []
-    for _ in range(min(max_buckets, n)):
+    for _ in range(min(exactly or max_buckets, n)):
         best, start = (best[:n].unsqueeze(1) + cost).min(dim=0)  # (n + 1,): k + 1 groups, where the last one starts
         starts.append(start)
         totals.append(best[n])
-    k = min(range(len(totals)), key=lambda k: (totals[k] + k * bucket_cost, k)) if n else -1
+    if exactly:
+        k = len(totals) - 1
+    else:
+        k = min(range(len(totals)), key=lambda k: (totals[k] + k * bucket_cost, k)) if n else -1
     groups, end = [], n
     for level in range(k, -1, -1):  # walk back through the groups, last first
         begin = int(starts[level][end])
@@ -71,11 +75,16 @@ class MicroBatch:
     completion_attention: torch.Tensor  # (n, C): 1 on real completion tokens
     completion_mask: torch.Tensor  # (n, C) float: 1 on tokens the loss covers
     buckets: list[tuple[torch.Tensor, int]]  # completions of similar length run together: (rows, width)
+    lockstep: bool = False  # as many forward calls as on every other rank (below)
 
 
 def collate(
-    rollouts: list[Rollout], pad_id: int, device, mask_truncated: bool, max_buckets: int = MAX_BUCKETS, bucket_cost: int = BUCKET_COST
+    rollouts: list[Rollout], pad_id: int, device, mask_truncated: bool, max_buckets: int = MAX_BUCKETS, bucket_cost: int = BUCKET_COST,
+    lockstep: bool = False,
 ) -> MicroBatch:
+    """A micro-batch of `rollouts`. With `lockstep` (a sharded model, whose every forward call is a
+    collective) its forward makes the same number of model calls on every rank whatever the
+    lengths: exactly min(max_buckets, n) buckets, each with its completion pass."""
     keys: dict[tuple, int] = {}
     index = [keys.setdefault(tuple(r.prompt_ids), len(keys)) for r in rollouts]
     prompts = list(keys)
@@ -102,7 +111,8 @@ def collate(
         completion_ids=completion.to(device),
         completion_attention=attention.to(device),
         completion_mask=loss_mask.float().to(device),
-        buckets=[(torch.tensor(rows).to(device), lengths[rows[0]]) for rows in length_buckets(lengths, max_buckets, bucket_cost)],
+        buckets=[(torch.tensor(rows).to(device), lengths[rows[0]]) for rows in length_buckets(lengths, max_buckets, bucket_cost, max_buckets if lockstep else None)],
+        lockstep=lockstep,
     )
 
 
@@ -136,15 +146,16 @@ class PrefixSharingLM(nn.Module):
         for rows, width in mb.buckets:  # rows (n_b,), completions at most `width` long
             idx = mb.prompt_index[rows]  # (n_b,)
             logits = last[idx]  # (n_b, 1, V)
-            if width > 1:
+            if width > 1 or mb.lockstep:
+                fed = max(width - 1, 1)  # in lockstep a bucket of 1-token completions still makes its call
                 rest = self.lm(
-                    input_ids=mb.completion_ids[rows, : width - 1],  # (n_b, width-1)
-                    attention_mask=torch.cat([mb.prompt_mask[idx], mb.completion_attention[rows, : width - 1]], dim=1),  # (n_b, P + width-1)
-                    position_ids=prompt_lengths[idx].unsqueeze(1) + torch.arange(width - 1, device=idx.device),  # (n_b, width-1)
+                    input_ids=mb.completion_ids[rows, :fed],  # (n_b, fed)
+                    attention_mask=torch.cat([mb.prompt_mask[idx], mb.completion_attention[rows, :fed]], dim=1),  # (n_b, P + fed)
+                    position_ids=prompt_lengths[idx].unsqueeze(1) + torch.arange(fed, device=idx.device),  # (n_b, fed)
                     past_key_values=_select_rows(out.past_key_values, idx),
                     use_cache=True,
-                ).logits  # (n_b, width-1, V)
-                logits = torch.cat([logits, rest], dim=1)  # (n_b, width, V)
+                ).logits  # (n_b, fed, V)
+                logits = torch.cat([logits, rest[:, : width - 1]], dim=1)  # (n_b, width, V)
             tokens = mb.completion_ids[rows, :width]  # (n_b, width)
             logps.append(F.pad(token_logprobs(logits.float(), tokens, temperature), (0, C - width)))  # (n_b, C)
             if with_entropy:

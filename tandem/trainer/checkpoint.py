@@ -6,6 +6,10 @@ PeftModel.from_pretrained loads), config.yaml, trainer_state.json (step, policy 
 sampler position, next round), optimizer.pt and scheduler.pt, and per rank rng_state_{rank}.pt and
 rounds_{rank}.json (rounds generated ahead of training in async mode). Everything is written into
 a hidden temporary folder, fsynced, and renamed into place; only then does `latest` move.
+
+A sharded run (fsdp) writes no model weights and no optimizer.pt: every rank writes its shards of
+both into sharded/ (torch.distributed.checkpoint), beside the model's config.json; `tandem export`
+turns that into an HF model.
 """
 
 import os
@@ -16,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from tandem.trainer.config import ConfigError
 
 LATEST = "latest"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -84,6 +90,21 @@ def resolve(spec: str, output_dir: str | Path) -> Path:
     if not (path / "trainer_state.json").is_file():
         raise FileNotFoundError(f"resume_from_checkpoint={spec}: {path} is not a tandem checkpoint (no trainer_state.json)")
     return path
+
+
+def check_resume(path: Path, state: dict, world: int, sharded: bool) -> None:
+    """A sharded checkpoint resumes sharded, on as many processes as wrote it (each rank's shards,
+    RNG state and rounds ahead are its own); a full one resumes unsharded."""
+    if state.get("sharded", False) and not sharded:
+        raise ConfigError(f"resume_from_checkpoint: {path} is sharded (written with fsdp); resume with the same --fsdp")
+    if sharded and not state.get("sharded", False):
+        raise ConfigError(f"resume_from_checkpoint: {path} was written without fsdp; resume it without fsdp, or start a sharded run from its model (--model_name_or_path {path})")
+    saved = state.get("world_size", world)
+    if sharded and saved != world:
+        raise ConfigError(
+            f"resume_from_checkpoint: {path} was written by {saved} processes, this run has {world}; resume on {saved} "
+            f"(torchrun --nproc_per_node {saved}), or write it as a model with `tandem export {path} OUT` and start a new run from OUT"
+        )
 
 
 def rng_state() -> dict:

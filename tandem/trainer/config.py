@@ -7,6 +7,7 @@ Names and meanings follow TRL's GRPOConfig wherever the concept exists there.
 import argparse
 import dataclasses
 import difflib
+import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from tandem.trainer.metrics import check_report_to
 ROLLOUT_MODES = ("colocate", "server")
 NONFINITE_POLICIES = ("skip", "error")
 WEIGHT_TRANSPORTS = ("auto", "http", "shm")
+FSDP_OPTIONS = ("full_shard", "shard_grad_op", "auto_wrap")
+FSDP_CONFIG_KEYS = ("transformer_layer_cls_to_wrap", "reshard_after_forward", "version")
 REWARD_MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -95,6 +98,10 @@ class TrainConfig:
     on_nonfinite: str = opt("skip", "A step whose loss or gradient norm is NaN or inf never updates the weights: 'skip' drops it and counts it in the metric skipped_steps; 'error' stops the run naming the step.", "batch and schedule")
     bf16: bool | None = opt(None, "Train in bf16 mixed precision (through accelerate). Default (none): on with a CUDA GPU that computes bf16, as TRL; off on CPU, where most CPUs emulate bf16 (10-500x slower than fp32) and where tandem's exactness guarantees are stated in fp32.", "batch and schedule")
     ddp_timeout: float = opt(1800.0, "Seconds any collective between training processes may wait before the run fails.", "batch and schedule")
+
+    # --- sharding (FSDP) ---
+    fsdp: str = opt("", "Shard parameters, gradients and optimizer state across the training processes with torch's FSDP2 (transformers' --fsdp): 'full_shard' gathers each decoder layer for its forward and again for its backward; 'shard_grad_op' keeps it gathered in between (faster, more memory); 'auto_wrap' may follow (each decoder layer is a unit anyway). Empty: DDP, a full copy per process.", "sharding (FSDP)")
+    fsdp_config: dict | None = opt(None, "FSDP options, as a mapping in the YAML file or JSON on the command line (transformers' fsdp_config; an fsdp_ prefix is dropped): transformer_layer_cls_to_wrap (class names of the units; default the model's decoder layer), reshard_after_forward (true|false, overrides fsdp), version (2).", "sharding (FSDP)")
 
     # --- LoRA (PEFT) ---
     use_peft: bool = opt(False, "Train LoRA adapters (PEFT) instead of every weight; syncs push only the adapters, checkpoints hold them in PEFT's format (`tandem merge` writes the full model).", "LoRA")
@@ -246,10 +253,29 @@ class TrainConfig:
             "lora_target_modules",
             "give all-linear alone, or module names",
         )
+        self._validate_fsdp(need)
         try:
             self.sampling_params().validate()
         except ValueError as exc:
             raise ConfigError(str(exc).replace("max_tokens", "max_completion_length")) from None
+
+    def _validate_fsdp(self, need) -> None:
+        words = self.fsdp.split()
+        need(all(w in FSDP_OPTIONS for w in words), "fsdp", f"give {FSDP_OPTIONS[0]} or {FSDP_OPTIONS[1]}, optionally with auto_wrap (or nothing for DDP)")
+        need(not ("full_shard" in words and "shard_grad_op" in words), "fsdp", "give full_shard or shard_grad_op, not both")
+        options = {k.removeprefix("fsdp_"): v for k, v in (self.fsdp_config or {}).items()}
+        unknown = [k for k in options if k not in FSDP_CONFIG_KEYS]
+        need(not unknown, "fsdp_config", f"unknown keys {unknown}; known: {', '.join(FSDP_CONFIG_KEYS)}")
+        need(options.get("version", 2) == 2, "fsdp_config", "version must be 2 (tandem shards with FSDP2)")
+        need(isinstance(options.get("reshard_after_forward", True), bool), "fsdp_config", "reshard_after_forward must be true or false")
+        layers = options.get("transformer_layer_cls_to_wrap", [])
+        need(isinstance(layers, str) or (isinstance(layers, list) and all(isinstance(c, str) for c in layers)), "fsdp_config",
+             "transformer_layer_cls_to_wrap must be a class name or a list of them")  # fmt: skip
+        need(not self.fsdp_config or bool(words), "fsdp_config", "has no effect without fsdp: add --fsdp full_shard")
+        if words:
+            need(not self.use_peft, "fsdp", "LoRA (use_peft) is not supported with fsdp yet: the adapters are small, so train them with DDP (drop fsdp)")
+            need(not (self.dynamic_sample and self.rollout_mode == "colocate"), "fsdp",
+                 "with dynamic_sample, ranks generate different numbers of batches, which a sharded colocated engine cannot (each forward is a collective): use rollout_mode server")  # fmt: skip
 
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what was meant."""
@@ -319,6 +345,8 @@ def _base_type(tp):
 def _parse_scalar(kind, text: str, name: str, optional: bool):
     if optional and text.lower() in ("none", "null"):
         return None
+    if kind is dict:
+        return _parse_mapping(text, name)
     if kind is bool:
         if text.lower() in ("true", "1", "yes"):
             return True
@@ -329,6 +357,17 @@ def _parse_scalar(kind, text: str, name: str, optional: bool):
         return kind(text)
     except ValueError:
         raise ConfigError(f"{name}={text!r}: expected {kind.__name__}") from None
+
+
+def _parse_mapping(text: str, name: str) -> dict:
+    """A mapping option on the command line: JSON, or a JSON or YAML file holding one."""
+    try:
+        value = yaml.safe_load(Path(text).read_text()) if Path(text).is_file() else json.loads(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{name}={text!r}: expected a JSON object or a JSON/YAML file holding one ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}={text!r}: expected a JSON object or a JSON/YAML file holding one")
+    return value
 
 
 def _check_yaml_value(name: str, value):
@@ -350,6 +389,8 @@ def _check_scalar(kind, value, name):
         return float(value)
     if kind is float and isinstance(value, str):
         return _parse_scalar(float, value, name, False)  # YAML reads 1e-5 as a string
+    if kind is dict and isinstance(value, str):
+        return _parse_mapping(value, name)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{name}={value!r}: expected {kind.__name__}, got {type(value).__name__}")
     return value
@@ -381,7 +422,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             groups[section] = parser.add_argument_group(section)
         kind, is_list, optional = _base_type(f.type)
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        metavar = {bool: "true|false", int: "INT", float: "FLOAT", str: "STR"}[kind]
+        metavar = {bool: "true|false", int: "INT", float: "FLOAT", str: "STR", dict: "JSON|FILE"}[kind]
         groups[section].add_argument(
             f"--{f.name}",
             nargs="+" if is_list else None,

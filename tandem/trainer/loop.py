@@ -29,7 +29,7 @@ from tandem.data import GroupSampler
 from tandem.rollout.client import RolloutServerError
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.types import Rollout
-from tandem.trainer import checkpoint, lora, metrics
+from tandem.trainer import checkpoint, lora, metrics, sharding
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.eval import evaluate
@@ -86,6 +86,9 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
+        self.sharding = sharding.plan(config)  # None: DDP
+        if self.sharding is not None and self.world == 1:
+            sharding.init_single_process(self.accelerator.device)
         self.out = Path(config.output_dir)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -111,27 +114,37 @@ class Trainer:
         # Resuming: the weights come from the checkpoint, everything else from its state files.
         self.resume_dir = checkpoint.resolve(config.resume_from_checkpoint, config.output_dir) if config.resume_from_checkpoint else None
         state = json.loads((self.resume_dir / "trainer_state.json").read_text()) if self.resume_dir else None
-        model, self.ref_model, optimizer, self.scheduler = build_policy(config, self.resume_dir, self.accelerator.device)
+        if state:
+            checkpoint.check_resume(self.resume_dir, state, self.world, self.sharding is not None)
+        shard = None if self.sharding is None else lambda m: sharding.shard(m, self.sharding, config.bf16, self.accelerator.device)
+        model, self.ref_model, optimizer, self.scheduler = build_policy(config, self.resume_dir, self.accelerator.device, shard)
         # The trainer's forward goes through PrefixSharingLM; the engine, pushes and checkpoints use the LM inside.
-        self.model, self.optimizer = self.accelerator.prepare(PrefixSharingLM(model), optimizer)
+        if self.sharding is None:
+            self.model, self.optimizer = self.accelerator.prepare(PrefixSharingLM(model), optimizer)
+        else:  # sharded already; prepare would wrap it in DDP
+            self.model, self.optimizer = PrefixSharingLM(model), self.accelerator.prepare(optimizer)
         self.global_step = state["global_step"] if state else 0
         self.version = state["policy_version"] if state else 0  # rounds trained = the policy version of our weights
         self.skipped_steps = state.get("skipped_steps", 0) if state else 0  # steps not taken for a NaN or inf
-        if state:
+        if state and self.sharding is not None:
+            sharding.load_checkpoint(model, self.optimizer.optimizer, self.resume_dir)
+        elif state:
             self.optimizer.load_state_dict(torch.load(self.resume_dir / "optimizer.pt", weights_only=True))
             self.scheduler.load_state_dict(torch.load(self.resume_dir / "scheduler.pt", weights_only=True))
 
-        self.servers = None
+        self.servers, self._staged = None, []  # _staged: the sharded pushes kept on disk (rank 0)
         if config.rollout_mode == "server":
             self.servers = Servers(config, len(self.tokenizer), self.world, self.is_main)
+            policy = self._policy_weights()  # on every rank: sharded weights are gathered together
             if self.is_main:
-                self.servers.start(self._policy_weights(), lora.base_weights(self._lm()) if config.use_peft else None, self.version)
+                self.servers.start(policy, lora.base_weights(self._lm()) if config.use_peft else None, self.version)
             self.engine = self.servers.engine
             self.engine.version = self.version
             self.accelerator.wait_for_everyone()
         else:
             eos_ids = eos_token_ids(self.tokenizer, model.generation_config, config.model_name_or_path)
-            self.engine = TransformersEngine(self._lm(), eos_ids, self.tokenizer.pad_token_id, self.version)
+            all_done = None if self.sharding is None else self._all_done
+            self.engine = TransformersEngine(self._lm(), eos_ids, self.tokenizer.pad_token_id, self.version, all_done)
         G = config.num_generations
         self.sampler = GroupSampler(
             len(self.table.prompt_ids), config.completions_per_round() // G, config.seed, self.rank, self.world, config.shuffle_dataset
@@ -164,9 +177,24 @@ class Trainer:
         self.completions_log = JsonlWriter(self.out / "completions.jsonl") if self.is_main else None
         self.eval_log = JsonlWriter(self.out / "eval.jsonl") if self.is_main and self.eval_table is not None else None
 
-    def _policy_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """What a sync pushes: every weight, or with LoRA the adapters."""
-        return lora.adapter_weights(self._lm()) if self.config.use_peft else list(self._lm().named_parameters())
+    def _policy_weights(self):
+        """What a sync pushes: every weight, or with LoRA the adapters; called on every rank. Sharded,
+        the weights are gathered and staged on disk a bucket at a time (rank 0 gets them, the other
+        ranks None). The last push's staging stays: it is the client's copy for a restarted server."""
+        if self.sharding is None:
+            return lora.adapter_weights(self._lm()) if self.config.use_peft else list(self._lm().named_parameters())
+        if len(self._staged) == 2:
+            self._staged.pop(0).remove()
+        staged = sharding.stage(self._lm().named_parameters(), self.out / f".push-v{self.version}", self.servers.client.bucket_bytes, self.is_main)
+        if staged is not None:
+            self._staged.append(staged)
+        return staged
+
+    def _all_done(self, done: bool) -> bool:
+        """Whether every rank's colocated generation is finished (a sharded engine's lockstep)."""
+        flag = torch.tensor([float(done)], device=self.accelerator.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _lm(self) -> torch.nn.Module:
         """The causal LM being trained, outside DDP and the prefix-sharing wrapper."""
@@ -199,10 +227,12 @@ class Trainer:
     def _evaluate(self) -> None:
         """eval/* on the held-out prompts, by rank 0 with the weights live now (between rounds)."""
         cfg = self.config
-        if self.is_main:
+        # A sharded colocated engine generates on every rank together (each forward is a collective).
+        if self.is_main or (self.sharding is not None and self.servers is None):
             with self.accelerator.autocast():
                 results = evaluate(self.engine, self.tokenizer, self.eval_table, self.reward_fns, cfg.sampling_params(), cfg.eval_num_generations,
                                    cfg.eval_greedy, cfg.seed, cfg.eval_pass_threshold, min_version=self.version)  # fmt: skip
+        if self.is_main:
             self.eval_log.write({"step": self.global_step, **results})
             self.accelerator.log(results, step=self.global_step)
             shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in results.items() if k == "eval/reward" or k.startswith("eval/pass@"))
@@ -351,12 +381,15 @@ class Trainer:
     def _micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
         """Forward and backward of one micro-batch; gradients are all-reduced on the last one only."""
         cfg = self.config
-        mb = collate([rollouts[i] for i in idx], self.tokenizer.pad_token_id, self.accelerator.device, cfg.mask_truncated_completions)
+        lockstep = self.sharding is not None
+        mb = collate([rollouts[i] for i in idx], self.tokenizer.pad_token_id, self.accelerator.device, cfg.mask_truncated_completions, lockstep=lockstep)
         C = mb.completion_ids.shape[1]
         # Toggle DDP's gradient sync instead of entering no_sync(): the same effect without a context
         # manager around the forward (nanoGPT does the same with require_backward_grad_sync).
         if hasattr(self.model, "require_backward_grad_sync"):
             self.model.require_backward_grad_sync = sync
+        elif lockstep:
+            self._lm().set_requires_gradient_sync(sync)
         logps, entropy = completion_logprobs(self.model, mb, cfg.temperature, with_entropy=True)  # (n, C)
         rows = lambda t: t[idx, :C].to(logps.device) if t is not None else None  # noqa: E731 - (N_rank, C') -> (n, C)
         old = rows(old_logps) if old_logps is not None else logps.detach()
@@ -397,6 +430,7 @@ class Trainer:
             grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        grad_norm = sharding.full_value(grad_norm)  # sharded gradients have a sharded norm
         bad = (~torch.isfinite(loss.float()) | ~torch.isfinite(grad_norm.float())).float()
         if self.world > 1:  # the losses differ between ranks: decide together, or one rank would step alone
             bad = self.accelerator.reduce(bad.to(self.accelerator.device), reduction="sum").cpu()
@@ -428,8 +462,10 @@ class Trainer:
             self.producer.wait_generated(trained_round + self.config.max_staleness)
             if self.world > 1:
                 self.accelerator.wait_for_everyone()
-        if self.servers is not None and self.is_main:
-            self.servers.push(self._policy_weights(), self.version)
+        if self.servers is not None:
+            policy = self._policy_weights()  # on every rank: sharded weights are gathered together
+            if self.is_main:
+                self.servers.push(policy, self.version)
         self.engine.version = self.version
         self.producer.set_live_version(self.version)
         return time.perf_counter() - t
@@ -450,7 +486,7 @@ class Trainer:
         size = self.config.per_device_train_batch_size
         for lo in range(0, len(rollouts), size):
             chunk = rollouts[lo : lo + size]
-            mb = collate(chunk, self.tokenizer.pad_token_id, self.accelerator.device, False)
+            mb = collate(chunk, self.tokenizer.pad_token_id, self.accelerator.device, False, lockstep=self.sharding is not None)
             with self.accelerator.autocast():
                 logps, _ = completion_logprobs(model, mb, self.config.temperature)  # (n, C)
             out += [logps[i, : len(r.completion_ids)].cpu() for i, r in enumerate(chunk)]
@@ -531,10 +567,17 @@ class Trainer:
         ahead = ahead[:keep]
         torch.save(checkpoint.rng_state(), tmp / f"rng_state_{self.rank}.pt")
         (tmp / f"rounds_{self.rank}.json").write_text(json.dumps([r.to_dict() for r in ahead]))
+        if self.sharding is not None:  # every rank writes its shards; rank 0 the model's config
+            sharding.save_checkpoint(self._lm(), self.optimizer.optimizer, tmp)
         acc.wait_for_everyone()
         path = None
         if self.is_main:
-            self._lm().save_pretrained(tmp)
+            if self.sharding is None:
+                self._lm().save_pretrained(tmp)
+                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            else:  # the weights are in sharded/: the model's config says what they fill
+                self._lm().config.save_pretrained(tmp)
+                self._lm().generation_config.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             (tmp / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
             state = {
@@ -543,10 +586,11 @@ class Trainer:
                 "policy_version": self.version,
                 "round": self.producer.round_index,  # the next round to train
                 "rounds_ahead": keep,
+                "world_size": self.world,
+                "sharded": self.sharding is not None,
                 "sampler": ahead[-1].sampler_state if ahead else self._sampler_state,
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
             path = checkpoint.finish(self.out, step, self.config.save_total_limit)
         acc.wait_for_everyone()
@@ -559,6 +603,8 @@ class Trainer:
         rewards_lib.close_rewards(self.reward_fns)
         if self.servers is not None:
             self.servers.close()
+        for staged in self._staged:
+            staged.remove()
         for w in (self.metrics_log, self.completions_log, self.eval_log):
             if w is not None:
                 w.close()

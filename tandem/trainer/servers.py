@@ -6,11 +6,11 @@ import os
 import torch
 
 from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
-from tandem.rollout.weights import fingerprint
+from tandem.rollout.weights import StagedWeights, fingerprint, in_name_order
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.setup import trainer_threads
 
-Named = list[tuple[str, torch.Tensor]]
+Named = list[tuple[str, torch.Tensor]] | StagedWeights  # StagedWeights when training is sharded
 
 
 class Servers:
@@ -66,7 +66,8 @@ class Servers:
         hashes: dict[str, str] = {}
         for info in self.infos:
             if info["dtype"] not in hashes:
-                hashes[info["dtype"]] = fingerprint((n, t.to(getattr(torch, info["dtype"]))) for n, t in named)
+                dtype = getattr(torch, info["dtype"])
+                hashes[info["dtype"]] = fingerprint(((n, t.to(dtype)) for n, t in in_name_order(named)), ordered=True)
         return [hashes[info["dtype"]] for info in self.infos]
 
     def _check_base(self, served: list[dict], base: Named) -> None:

@@ -38,19 +38,24 @@ def load_prompts(config: TrainConfig, tokenizer, dataset: str | None = None) -> 
     return table, skipped
 
 
-def build_policy(config: TrainConfig, resume_dir: Path | None, device) -> tuple[torch.nn.Module, PrefixSharingLM | None, torch.optim.Optimizer, object]:
+def build_policy(config: TrainConfig, resume_dir: Path | None, device, shard=None) -> tuple[torch.nn.Module, PrefixSharingLM | None, torch.optim.Optimizer, object]:
     """The policy (from the checkpoint when resuming), the frozen reference model when beta > 0
     (from the starting weights; None with LoRA, whose reference is the policy with its adapters
-    disabled), AdamW over the trainable weights and the learning-rate schedule."""
+    disabled), AdamW over the trainable weights and the learning-rate schedule. `shard` (FSDP)
+    shards the policy and the reference before the optimizer is made over the shards; a sharded
+    checkpoint's weights are loaded into them later, with the optimizer state."""
     if config.use_peft:
         model = lora.adapt(config, AutoModelForCausalLM.from_pretrained(config.model_name_or_path), resume_dir)
     else:
         if resume_dir is not None and (resume_dir / "adapter_config.json").is_file():
             raise ConfigError(f"checkpoint {resume_dir} holds LoRA adapters: resume it with use_peft true")
-        model = AutoModelForCausalLM.from_pretrained(resume_dir or config.model_name_or_path)
+        full = resume_dir is not None and shard is None
+        model = AutoModelForCausalLM.from_pretrained(resume_dir if full else config.model_name_or_path)
+    shard = shard or (lambda m: m)
+    model = shard(model)
     ref_model = None
     if config.beta != 0.0 and not config.use_peft:
-        ref = AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(device)
+        ref = shard(AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(device))
         ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],

@@ -1,0 +1,147 @@
+"""Sharded training with torch's FSDP2 (`fully_shard`): parameters, gradients and optimizer state
+split across the training processes, for models whose whole training state does not fit one.
+
+Each decoder layer (the model's `_no_split_modules`, or fsdp_config's
+transformer_layer_cls_to_wrap) is one unit and the whole LM the root, as accelerate's FSDP2
+plugin wraps a transformers model; with bf16, the units compute in bf16 over fp32 shards
+(MixedPrecisionPolicy with bf16 parameters, reductions and outputs, accelerate's mapping).
+tandem calls `fully_shard` itself rather than through the plugin because the plugin does not
+engage on a CPU: under torchrun with cpu=True accelerate wraps the model in DDP instead. So the
+path the tests run on CPU is the path a GPU run takes.
+
+Every forward of a sharded module is a collective (its units gather their parameters), so every
+rank makes the same calls in the same order: micro-batches run in lockstep (batch.collate),
+colocated generation steps until every rank is done (TransformersEngine's `all_done`), and full
+weights are gathered one tensor at a time, on every rank, in the order of named_parameters.
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from tandem.rollout.weights import StagedWeights
+from tandem.trainer.config import ConfigError, TrainConfig
+
+SHARDED = "sharded"  # a checkpoint's torch.distributed.checkpoint folder: model and optimizer, one file per rank
+
+
+@dataclass
+class Plan:
+    reshard_after_forward: bool  # full_shard: gather each unit for its forward and again for its backward
+    layer_classes: list[str] | None  # class names of the units; None: the model's _no_split_modules
+
+
+def plan(config: TrainConfig) -> Plan | None:
+    """The run's sharding: from fsdp and fsdp_config, else from `accelerate launch` with an FSDP
+    config file (the FSDP_* environment it sets); None for DDP."""
+    if config.fsdp:
+        options = {k.removeprefix("fsdp_"): v for k, v in (config.fsdp_config or {}).items()}
+        layers = options.get("transformer_layer_cls_to_wrap")
+        return Plan(
+            reshard_after_forward=options.get("reshard_after_forward", "shard_grad_op" not in config.fsdp.split()),
+            layer_classes=[layers] if isinstance(layers, str) else layers,
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() not in ("true", "1"):
+        return None
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError(f"accelerate's FSDP config asks for fsdp_version {os.environ.get('FSDP_VERSION', '1')}: tandem shards with FSDP2; set fsdp_version: 2 in it")
+    layers = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    return Plan(
+        reshard_after_forward=os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in ("true", "1", "full_shard"),
+        layer_classes=[c.strip() for c in layers.split(",")] if layers else None,
+    )
+
+
+def init_single_process(device: torch.device) -> None:
+    """A process group of one: FSDP needs one even when a single process trains."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def shard(model: torch.nn.Module, plan: Plan, bf16: bool, device: torch.device) -> torch.nn.Module:
+    """`model` sharded in place: each decoder layer one FSDP unit, then the root. Parameters on
+    the CPU move to `device` one unit at a time."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    classes = set(plan.layer_classes or getattr(model, "_no_split_modules", None) or [])
+    units = [m for m in model.modules() if type(m).__name__ in classes]
+    if not units:
+        kinds = sorted({type(layer).__name__ for m in model.modules() if isinstance(m, torch.nn.ModuleList) for layer in m})
+        raise ConfigError(
+            f"fsdp_config transformer_layer_cls_to_wrap={sorted(classes) or None}: no module of {type(model).__name__} is of that class; "
+            f"its layer classes are {kinds}"
+        )
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    bf16_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
+    kwargs = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward, "mp_policy": bf16_policy if bf16 else MixedPrecisionPolicy()}
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def full_weights(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight gathered whole, one at a time. Every rank must run this to the end, in the
+    same order: each gather is a collective."""
+    for name, p in named:
+        t = p.detach()
+        yield name, t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A sharded scalar (a gradient norm of DTensor gradients) as a plain tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def stage(named: Iterable[tuple[str, torch.Tensor]], folder: Path, bucket_bytes: int, is_main: bool) -> StagedWeights | None:
+    """What a push sends, from sharded weights: rank 0 writes them to `folder` a bucket of full
+    tensors at a time, freeing each once written; the other ranks take part in the gathers."""
+    gathered = full_weights(named)
+    if is_main:
+        return StagedWeights.write(gathered, folder, bucket_bytes)
+    for _ in gathered:
+        pass
+    return None
+
+
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Every rank writes its shards of the weights and of the optimizer state into folder/sharded."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / SHARDED)
+
+
+def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """The weights and optimizer state of a checkpoint written by save_checkpoint, into this rank's shards."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder / SHARDED)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def is_sharded(checkpoint: Path) -> bool:
+    return (Path(checkpoint) / SHARDED).is_dir()
+
+
+def export(checkpoint: Path, out: Path) -> Path:
+    """A sharded checkpoint's weights as a plain HF model (and its tokenizer) in `out`, by one
+    process holding the model once."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = Path(checkpoint)
+    if not is_sharded(checkpoint):
+        raise ValueError(f"{checkpoint} holds no {SHARDED}/ folder: it is not a sharded checkpoint (a DDP checkpoint is an HF model already)")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint / SHARDED, no_dist=True)
+    model.load_state_dict(state["model"])
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+    return out
