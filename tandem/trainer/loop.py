@@ -126,10 +126,11 @@ class Trainer:
         self.global_step = state["global_step"] if state else 0
         self.version = state["policy_version"] if state else 0  # rounds trained = the policy version of our weights
         self.skipped_steps = state.get("skipped_steps", 0) if state else 0  # steps not taken for a NaN or inf
-        if state and self.sharding is not None:
+        if state and self.sharding is not None:  # the weights and optimizer state of this rank's shards
             sharding.load_checkpoint(model, self.optimizer.optimizer, self.resume_dir)
         elif state:
             self.optimizer.load_state_dict(torch.load(self.resume_dir / "optimizer.pt", weights_only=True))
+        if state:
             self.scheduler.load_state_dict(torch.load(self.resume_dir / "scheduler.pt", weights_only=True))
 
         self.servers, self._staged = None, []  # _staged: the sharded pushes kept on disk (rank 0)
