@@ -44,11 +44,30 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--reward_model_batch_size", "0"], "reward_model_batch_size"),
         (["--reward_num_workers", "-1"], "reward_num_workers"),
         (["--max_resample_times", "-1"], "max_resample_times"),
+        (["--fsdp", "hybrid_shard"], "fsdp"),
+        (["--fsdp", "full_shard shard_grad_op"], "fsdp"),
+        (["--fsdp", "full_shard", "--fsdp_config", '{"offload_params": true}'], "fsdp_config"),
+        (["--fsdp", "full_shard", "--fsdp_config", '{"fsdp_version": 1}'], "fsdp_config"),
+        (["--fsdp", "full_shard", "--fsdp_config", '{"reshard_after_forward": "yes"}'], "fsdp_config"),
+        (["--fsdp", "full_shard", "--fsdp_config", "[1, 2]"], "fsdp_config"),
+        (["--fsdp", "full_shard", "--fsdp_config", "{not json"], "fsdp_config"),
+        (["--fsdp_config", '{"version": 2}'], "fsdp_config"),
+        (["--fsdp", "full_shard", "--use_peft", "true"], "fsdp"),
+        (["--fsdp", "full_shard", "--dynamic_sample", "true"], "fsdp"),
     ],
 )
 def test_bad_values_name_the_field(extra, field):
     with pytest.raises(ConfigError, match=field):
         _config(*extra)
+
+
+def test_fsdp_config_is_a_mapping_in_yaml_json_or_a_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("fsdp: full_shard auto_wrap\nfsdp_config:\n  fsdp_transformer_layer_cls_to_wrap: [Qwen2DecoderLayer]\n")
+    assert _config(config_file=f).fsdp_config == {"fsdp_transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
+    assert _config("--fsdp", "shard_grad_op", "--fsdp_config", '{"reshard_after_forward": true}').fsdp_config == {"reshard_after_forward": True}
+    (tmp_path / "fsdp.json").write_text('{"version": 2}')
+    assert _config("--fsdp", "full_shard", "--fsdp_config", str(tmp_path / "fsdp.json")).fsdp_config == {"version": 2}
 
 
 def test_unknown_yaml_key_fails_with_a_suggestion(tmp_path):

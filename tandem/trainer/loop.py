@@ -86,6 +86,7 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
+        sharding.from_accelerate_config(config)
         self.sharding = sharding.plan(config)  # None: DDP
         if self.sharding is not None and self.world == 1:
             sharding.init_single_process(self.accelerator.device)

@@ -89,6 +89,7 @@ def completion_records(rnd, tokenizer, reward_names: list[str], rewards, advanta
             "round": rnd.index,
             "prompt": tokenizer.decode(ro.prompt_ids, skip_special_tokens=False),
             "completion": texts[k],
+            "completion_tokens": len(ro.completion_ids),
             "reward": rewards[k].item(),
             **{f"rewards/{name}": rnd.rewards[k, j].item() for j, name in enumerate(reward_names)},
             "advantage": advantages[k].item(),

@@ -39,24 +39,32 @@ class Plan:
 
 
 def plan(config: TrainConfig) -> Plan | None:
-    """The run's sharding: from fsdp and fsdp_config, else from `accelerate launch` with an FSDP
-    config file (the FSDP_* environment it sets); None for DDP."""
-    if config.fsdp:
-        options = {k.removeprefix("fsdp_"): v for k, v in (config.fsdp_config or {}).items()}
-        layers = options.get("transformer_layer_cls_to_wrap")
-        return Plan(
-            reshard_after_forward=options.get("reshard_after_forward", "shard_grad_op" not in config.fsdp.split()),
-            layer_classes=[layers] if isinstance(layers, str) else layers,
-        )
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() not in ("true", "1"):
+    """The run's sharding, from fsdp and fsdp_config; None for DDP."""
+    if not config.fsdp:
         return None
-    if os.environ.get("FSDP_VERSION", "1") != "2":
-        raise ConfigError(f"accelerate's FSDP config asks for fsdp_version {os.environ.get('FSDP_VERSION', '1')}: tandem shards with FSDP2; set fsdp_version: 2 in it")
-    layers = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    options = {k.removeprefix("fsdp_"): v for k, v in (config.fsdp_config or {}).items()}
+    layers = options.get("transformer_layer_cls_to_wrap")
     return Plan(
-        reshard_after_forward=os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in ("true", "1", "full_shard"),
-        layer_classes=[c.strip() for c in layers.split(",")] if layers else None,
+        reshard_after_forward=options.get("reshard_after_forward", "shard_grad_op" not in config.fsdp.split()),
+        layer_classes=[layers] if isinstance(layers, str) else layers,
     )
+
+
+def from_accelerate_config(config: TrainConfig, env=os.environ) -> None:
+    """Under `accelerate launch` with an FSDP config file (which sets FSDP_* variables), and no
+    fsdp given: fsdp and fsdp_config as that file says, so the resolved config shows them."""
+    if config.fsdp or env.get("ACCELERATE_USE_FSDP", "false").lower() not in ("true", "1"):
+        return
+    if env.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError(f"accelerate's config file asks for fsdp_version {env.get('FSDP_VERSION', '1')}: tandem shards with FSDP2; set fsdp_version: 2 in it")
+    if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+        raise ConfigError("accelerate's config file asks for fsdp_offload_params: tandem does not offload to the CPU yet; set it to false")
+    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in ("true", "1", "full_shard")
+    config.fsdp = "full_shard" if reshard else "shard_grad_op"
+    layers = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    if layers:
+        config.fsdp_config = {"transformer_layer_cls_to_wrap": [c.strip() for c in layers.split(",")]}
+    config.validate()
 
 
 def init_single_process(device: torch.device) -> None:
