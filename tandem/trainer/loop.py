@@ -134,9 +134,10 @@ class Trainer:
         if state:
             self.scheduler.load_state_dict(torch.load(self.resume_dir / "scheduler.pt", weights_only=True))
 
-        self.servers, self._staged = None, []  # _staged: the sharded pushes kept on disk (rank 0)
+        self.servers, self.pushes = None, None
         if config.rollout_mode == "server":
             self.servers = Servers(config, len(self.tokenizer), self.world, self.is_main)
+            self.pushes = sharding.Pushes(self.out, self.servers.client.bucket_bytes, self.is_main)
             policy = self._policy_weights()  # on every rank: sharded weights are gathered together
             if self.is_main:
                 self.servers.start(policy, lora.base_weights(self._lm()) if config.use_peft else None, self.version)
@@ -145,7 +146,7 @@ class Trainer:
             self.accelerator.wait_for_everyone()
         else:
             eos_ids = eos_token_ids(self.tokenizer, model.generation_config, config.model_name_or_path)
-            all_done = None if self.sharding is None else self._all_done
+            all_done = None if self.sharding is None else lambda done: sharding.all_done(done, self.accelerator.device)
             self.engine = TransformersEngine(self._lm(), eos_ids, self.tokenizer.pad_token_id, self.version, all_done)
         G = config.num_generations
         self.sampler = GroupSampler(
@@ -185,18 +186,7 @@ class Trainer:
         ranks None). The last push's staging stays: it is the client's copy for a restarted server."""
         if self.sharding is None:
             return lora.adapter_weights(self._lm()) if self.config.use_peft else list(self._lm().named_parameters())
-        if len(self._staged) == 2:
-            self._staged.pop(0).remove()
-        staged = sharding.stage(self._lm().named_parameters(), self.out / f".push-v{self.version}", self.servers.client.bucket_bytes, self.is_main)
-        if staged is not None:
-            self._staged.append(staged)
-        return staged
-
-    def _all_done(self, done: bool) -> bool:
-        """Whether every rank's colocated generation is finished (a sharded engine's lockstep)."""
-        flag = torch.tensor([float(done)], device=self.accelerator.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag.item())
+        return self.pushes.stage(self._lm().named_parameters(), self.version)
 
     def _lm(self) -> torch.nn.Module:
         """The causal LM being trained, outside DDP and the prefix-sharing wrapper."""
@@ -227,7 +217,8 @@ class Trainer:
         return last
 
     def _evaluate(self) -> None:
-        """eval/* on the held-out prompts, by rank 0 with the weights live now (between rounds)."""
+        """eval/* on the held-out prompts, by rank 0 (every rank with a sharded colocated engine)
+        with the weights live now (between rounds)."""
         cfg = self.config
         # A sharded colocated engine generates on every rank together (each forward is a collective).
         if self.is_main or (self.sharding is not None and self.servers is None):
@@ -367,6 +358,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped_steps": self.skipped_steps,
             "learning_rate": self.scheduler.get_last_lr()[0],
+            "memory/peak_gb/max": torch.tensor(metrics.peak_memory_gb()),  # the process that peaked highest
             **{k: combine(k, torch.stack(v)) for k, v in stats.items()},
         }
         record = self._reduce_across_ranks(record)
@@ -605,8 +597,7 @@ class Trainer:
         rewards_lib.close_rewards(self.reward_fns)
         if self.servers is not None:
             self.servers.close()
-        for staged in self._staged:
-            staged.remove()
+            self.pushes.close()
         for w in (self.metrics_log, self.completions_log, self.eval_log):
             if w is not None:
                 w.close()

@@ -45,6 +45,15 @@ def truncate_log(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def peak_memory_gb() -> float:
+    """This process's peak memory so far: allocated on its GPU, else resident on the host."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def combine(key: str, values: torch.Tensor) -> torch.Tensor:
     """Several values of one metric (micro-batches or ranks) into one: min of */min, max of */max, else mean."""
     if key.endswith("/min"):

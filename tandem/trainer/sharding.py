@@ -120,6 +120,35 @@ def stage(named: Iterable[tuple[str, torch.Tensor]], folder: Path, bucket_bytes:
     return None
 
 
+class Pushes:
+    """Rank 0's staged pushes on disk: the newest is the client's copy for a restarted server, so
+    it stays until the next one is pushed; older ones are removed."""
+
+    def __init__(self, output_dir: Path, bucket_bytes: int, is_main: bool):
+        self.output_dir, self.bucket_bytes, self.is_main = Path(output_dir), bucket_bytes, is_main
+        self.kept: list[StagedWeights] = []
+
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> StagedWeights | None:
+        """On every rank: `named` gathered and staged for the push of `version` (rank 0 gets it)."""
+        if len(self.kept) == 2:  # the one before the last push: no client reads it any more
+            self.kept.pop(0).remove()
+        staged = stage(named, self.output_dir / f".push-v{version}", self.bucket_bytes, self.is_main)
+        if staged is not None:
+            self.kept.append(staged)
+        return staged
+
+    def close(self) -> None:
+        for staged in self.kept:
+            staged.remove()
+
+
+def all_done(done: bool, device: torch.device) -> bool:
+    """Whether every rank is done (its colocated generation finished): a sharded engine's lockstep."""
+    flag = torch.tensor([float(done)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Every rank writes its shards of the weights and of the optimizer state into folder/sharded."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
