@@ -78,11 +78,15 @@ def exported(checkpoint, out) -> dict:
 
 @pytest.fixture(scope="module")
 def colocated(ender, data, tmp_path_factory):
-    """The same 4 steps: fsdp on 2 processes (a checkpoint at step 2), DDP on 2, 1 process with twice the batch."""
+    """The same 4 steps: fsdp on 2 processes (a checkpoint at step 2), DDP on 2, 1 process with
+    twice the batch; with a KL term (the reference model is sharded too) and an evaluation at the
+    end (every rank generates when the engine is sharded)."""
     root = tmp_path_factory.mktemp("colocated")
-    train(2, args(ender, data, root / "fsdp", 8, "--fsdp", "full_shard", "--save_steps", "2"))
-    train(2, args(ender, data, root / "ddp", 8))
-    train(1, args(ender, data, root / "one", 16))
+    held_out = write_jsonl(addition_rows(1)[:6], root / "held_out.jsonl")
+    extra = ["--beta", "0.04", "--eval_dataset", held_out, "--eval_num_generations", "2"]
+    train(2, args(ender, data, root / "fsdp", 8, *extra, "--fsdp", "full_shard", "--save_steps", "2"))
+    train(2, args(ender, data, root / "ddp", 8, *extra))
+    train(1, args(ender, data, root / "one", 16, *extra))
     return root
 
 
@@ -95,6 +99,12 @@ def test_fsdp_on_two_processes_trains_like_ddp_and_like_one_process(colocated):
     assert any(max(r[:8]) != max(r[8:]) for r in rounds), rounds
     assert_trains_alike(colocated / "fsdp", colocated / "ddp")
     assert_trains_alike(colocated / "fsdp", colocated / "one")
+    assert read(colocated / "fsdp")[-1]["kl"] > 0
+    (sharded,), (ddp,) = read(colocated / "fsdp", "eval.jsonl"), read(colocated / "ddp", "eval.jsonl")
+    # The weights differ by up to WEIGHT_TOL, which can flip a sampled token of the 192: the eval
+    # rewards agree to one token's worth of the reward, not to float rounding.
+    assert sharded.keys() == ddp.keys()
+    assert all(abs(sharded[k] - ddp[k]) <= 0.05 for k in ddp if k.startswith("eval/") and "seconds" not in k), (sharded, ddp)
     ckpt = colocated / "fsdp" / "checkpoint-4"
     assert not (ckpt / "model.safetensors").exists() and not (ckpt / "optimizer.pt").exists()
     assert sorted(p.name for p in (ckpt / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
@@ -106,7 +116,8 @@ def test_a_sharded_checkpoint_resumes_bitwise_and_exports_as_a_model(colocated, 
     shutil.copytree(colocated / "fsdp", out)
     shutil.rmtree(out / "checkpoint-4")
     (out / "latest").write_text("checkpoint-2\n")
-    train(2, args(ender, data, out, 8, "--fsdp", "full_shard", "--save_steps", "2", "--resume_from_checkpoint", "latest"))
+    extra = ["--beta", "0.04", "--eval_dataset", colocated / "held_out.jsonl", "--eval_num_generations", "2"]
+    train(2, args(ender, data, out, 8, *extra, "--fsdp", "full_shard", "--save_steps", "2", "--resume_from_checkpoint", "latest"))
     assert [m["loss"] for m in read(out)] == [m["loss"] for m in read(colocated / "fsdp")]
     whole = exported(colocated / "fsdp" / "checkpoint-4", tmp_path / "whole")
     resumed = exported(out / "checkpoint-4", tmp_path / "again")
@@ -131,7 +142,7 @@ def test_two_nodes_of_one_process_train_like_one_node_of_two(colocated, ender, d
     port = free_port()
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
               "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "tandem-test", "-m", "tandem.cli", "train"]  # fmt: skip
-    run = [*launch, *map(str, args(ender, data, out, 8, "--fsdp", "full_shard"))]
+    run = [*launch, *map(str, args(ender, data, out, 8, "--fsdp", "full_shard", "--beta", "0.04"))]
     nodes = [subprocess.Popen(run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV) for _ in range(2)]
     try:
         errors = [node.communicate(timeout=300)[1] for node in nodes]

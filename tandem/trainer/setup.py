@@ -51,11 +51,12 @@ def build_policy(config: TrainConfig, resume_dir: Path | None, device, shard=Non
             raise ConfigError(f"checkpoint {resume_dir} holds LoRA adapters: resume it with use_peft true")
         full = resume_dir is not None and shard is None
         model = AutoModelForCausalLM.from_pretrained(resume_dir if full else config.model_name_or_path)
-    shard = shard or (lambda m: m)
-    model = shard(model)
+    if shard is not None:
+        model = shard(model)
     ref_model = None
     if config.beta != 0.0 and not config.use_peft:
-        ref = shard(AutoModelForCausalLM.from_pretrained(config.model_name_or_path).to(device))
+        ref = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
+        ref = ref.to(device) if shard is None else shard(ref)  # sharding moves each unit to the device itself
         ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
