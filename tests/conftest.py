@@ -114,6 +114,21 @@ def kill_server_mid_run(server: "Server", trainer: subprocess.Popen, out: Path, 
         server.stop()
 
 
+def restart_server_mid_run(server: "Server", model, trainer: subprocess.Popen, out: Path, step: int) -> tuple[str, "Server"]:
+    """SIGKILL the server once the run logged `step` and start a new process on its port (version
+    0, the original weights); returns the trainer's stderr once it ends, and the new server."""
+    wait_for_step(out, step, trainer)
+    server.kill()
+    time.sleep(2)
+    server = Server(model, port=server.port)
+    try:
+        return trainer.communicate(timeout=240)[1], server
+    except BaseException:
+        trainer.kill()
+        server.stop()
+        raise
+
+
 # A training run under a launcher: torchrun (or accelerate launch) for several processes.
 def command(procs: int, args: list, launcher: str = "torchrun") -> list[str]:
     if procs == 1:

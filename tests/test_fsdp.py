@@ -10,14 +10,13 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import GenerationConfig
 
-from conftest import ENV, Server, command, free_port, kill_server_mid_run, run_cli, train, wait_for_step
+from conftest import ENV, Server, command, free_port, kill_server_mid_run, restart_server_mid_run, run_cli, train
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.weights import StagedWeights, buckets, fingerprint
 
@@ -193,13 +192,8 @@ def test_a_restarted_server_gets_the_staged_weights_back_and_the_run_goes_on(end
     run = server_args(ender, data, out, server.url, "sync", "--fsdp", "full_shard", "--rollout_server_timeout", "90")
     trainer = subprocess.Popen(command(2, run), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        wait_for_step(out, 2, trainer)
-        server.kill()
-        time.sleep(2)
-        server = Server(ender, port=server.port)  # a new process: version 0, the original weights
-        _, stderr = trainer.communicate(timeout=240)
+        stderr, server = restart_server_mid_run(server, ender, trainer, out, step=2)
     finally:
-        trainer.kill()
         server.stop()
     assert trainer.returncode == 0, stderr[-3000:]
     assert f"rollout server {server.url} restarted" in stderr
@@ -227,5 +221,7 @@ def test_staged_weights_read_back_bucket_by_bucket_with_the_same_fingerprint(tmp
     assert fingerprint(staged) == fingerprint(named)
     assert {k: v for b in staged.buckets() for k, v in b.items()}.keys() == dict(named).keys()
     assert all(torch.equal(dict(named)[k], t) for k, t in staged)
-    staged.remove()
+    again = StagedWeights.write(iter(named[:2]), tmp_path / "push", bucket_bytes=2 * 64 * 64 * 4)  # a crashed run's staging is replaced
+    assert len(again) == 2 and fingerprint(again) == fingerprint(named[:2])
+    again.remove()
     assert not (tmp_path / "push").exists()

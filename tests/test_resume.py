@@ -3,12 +3,11 @@
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import Server, kill_server_mid_run, wait_for_step
+from conftest import Server, kill_server_mid_run, restart_server_mid_run, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from test_async import DIGITS, ENV, base_args, command, read
 
@@ -82,11 +81,7 @@ def test_a_server_restart_mid_run_changes_nothing(tiny_model, data, tmp_path, mo
         out = tmp_path / "restarted"
         args = base_args(tiny_model, data, out, 32, *extra, "--rollout_mode", "server", "--rollout_server_urls", server.url)
         trainer = subprocess.Popen(command(1, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-        wait_for_step(out, 3, trainer)
-        server.kill()
-        time.sleep(2)
-        server = Server(tiny_model, port=server.port)  # a new process: version 0, the original weights
-        _, stderr = trainer.communicate(timeout=240)
+        stderr, server = restart_server_mid_run(server, tiny_model, trainer, out, step=3)
     finally:
         server.stop()
     assert trainer.returncode == 0, stderr[-3000:]

@@ -49,13 +49,14 @@ class StagedWeights:
 
     @classmethod
     def write(cls, named: Iterable[tuple[str, torch.Tensor]], folder: Path, bucket_bytes: int) -> "StagedWeights":
-        """Write `named` (consumed as it comes) into `folder`, which must not exist, one bucket at a
-        time; each bucket is freed once written."""
+        """Write `named` (consumed as it comes) into `folder` one bucket at a time, each bucket freed
+        once written; what `folder` held before (a crashed run's staging) is replaced."""
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for i, bucket in enumerate(buckets(named, bucket_bytes)):
             save_file(bucket, str(tmp / f"bucket-{i:05d}.safetensors"))
+        shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
         return cls(folder)
 
