@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on prompts: mean rewards, pass@1 and pass@k; prints a table, writes JSON",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    p.add_argument("--model", required=True, help="model folder, a run's checkpoint (LoRA ones too) or hub name")
+    p.add_argument("--model", required=True, help="model folder, a run's checkpoint (LoRA and sharded ones too) or hub name")
     p.add_argument("--dataset", required=True, help="prompts, as dataset_name takes them (a 'prompt' column; other columns reach the rewards)")
     p.add_argument("--reward_funcs", nargs="+", required=True, help="as in tandem train: built-in names, 'file.py:fn' or 'module:fn'")
     p.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one weight per reward function (default all 1.0)")

@@ -78,7 +78,7 @@ def exported(checkpoint, out) -> dict:
 @pytest.fixture(scope="module")
 def colocated(ender, data, tmp_path_factory):
     """The same 4 steps: fsdp on 2 processes (a checkpoint at step 2), DDP on 2, 1 process with
-    twice the batch; with a KL term (the reference model is sharded too) and an evaluation at the
+    twice the batch, unsharded and sharded; with a KL term (the reference model is sharded too) and an evaluation at the
     end (every rank generates when the engine is sharded)."""
     root = tmp_path_factory.mktemp("colocated")
     held_out = write_jsonl(addition_rows(1)[:6], root / "held_out.jsonl")
@@ -86,6 +86,7 @@ def colocated(ender, data, tmp_path_factory):
     train(2, args(ender, data, root / "fsdp", 8, *extra, "--fsdp", "full_shard", "--save_steps", "2"))
     train(2, args(ender, data, root / "ddp", 8, *extra))
     train(1, args(ender, data, root / "one", 16, *extra))
+    train(1, args(ender, data, root / "fsdp1", 16, *extra, "--fsdp", "full_shard"))  # a process group of one
     return root
 
 
@@ -98,6 +99,7 @@ def test_fsdp_on_two_processes_trains_like_ddp_and_like_one_process(colocated):
     assert any(max(r[:8]) != max(r[8:]) for r in rounds), rounds
     assert_trains_alike(colocated / "fsdp", colocated / "ddp")
     assert_trains_alike(colocated / "fsdp", colocated / "one")
+    assert_trains_alike(colocated / "fsdp1", colocated / "one")
     assert read(colocated / "fsdp")[-1]["kl"] > 0
     (sharded,), (ddp,) = read(colocated / "fsdp", "eval.jsonl"), read(colocated / "ddp", "eval.jsonl")
     # The weights differ by up to WEIGHT_TOL, which can flip a sampled token of the 192: the eval
@@ -121,6 +123,13 @@ def test_a_sharded_checkpoint_resumes_bitwise_and_exports_as_a_model(colocated, 
     whole = exported(colocated / "fsdp" / "checkpoint-4", tmp_path / "whole")
     resumed = exported(out / "checkpoint-4", tmp_path / "again")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole), "weights must be bitwise equal"
+    # `tandem eval` reads a sharded checkpoint as it is, and scores it as it scores the export
+    held_out = colocated / "held_out.jsonl"
+    scores = [run_cli("eval", "--model", m, "--dataset", held_out, "--reward_funcs", f"{data.parent / 'digits.py'}:digits",
+                      "--max_completion_length", "16", "--out", tmp_path / f"{i}.json") for i, m in enumerate([out / "checkpoint-4", tmp_path / "again"])]  # fmt: skip
+    assert [p.returncode for p in scores] == [0, 0], scores[0].stderr[-2000:]
+    first, second = ({k: v for k, v in json.loads((tmp_path / f"{i}.json").read_text()).items() if k.startswith("eval/") and "seconds" not in k} for i in (0, 1))
+    assert first and first == second
     ddp = load_file(colocated / "ddp" / "checkpoint-4" / "model.safetensors")
     assert sorted(whole) == sorted(ddp)
     assert max((whole[k] - ddp[k]).abs().max().item() for k in ddp) < WEIGHT_TOL

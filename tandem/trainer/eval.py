@@ -75,13 +75,14 @@ def write_json(results: dict, path: Path, about: dict) -> None:
 
 def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: list[float] | None, num_generations: int, greedy: bool,
              max_completion_length: int, temperature: float, max_prompt_length: int | None, pass_threshold: float, seed: int) -> dict:  # fmt: skip
-    """`tandem eval`: a model folder, a run's checkpoint (LoRA ones included) or a hub name, on
+    """`tandem eval`: a model folder, a run's checkpoint (LoRA and sharded ones included) or a hub name, on
     the prompts of `dataset`, with the transformers engine in this process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tandem.rollout.engine import TransformersEngine, eos_token_ids
     from tandem.trainer.config import TrainConfig
     from tandem.trainer.setup import load_prompts
+    from tandem.trainer.sharding import SHARDED, load_model
 
     config = TrainConfig(model_name_or_path=model, dataset_name=dataset, reward_funcs=reward_funcs, reward_weights=reward_weights,
                          max_completion_length=max_completion_length, temperature=temperature, max_prompt_length=max_prompt_length, seed=seed)  # fmt: skip
@@ -91,6 +92,8 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
         from tandem.trainer.lora import from_checkpoint
 
         lm = from_checkpoint(Path(model))
+    elif (Path(model) / SHARDED).is_dir():  # a sharded (fsdp) checkpoint, gathered in this process
+        lm = load_model(Path(model))
     else:
         lm = AutoModelForCausalLM.from_pretrained(model)
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -167,18 +167,26 @@ def is_sharded(checkpoint: Path) -> bool:
     return (Path(checkpoint) / SHARDED).is_dir()
 
 
-def export(checkpoint: Path, out: Path) -> Path:
-    """A sharded checkpoint's weights as a plain HF model (and its tokenizer) in `out`, by one
-    process holding the model once."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_model(checkpoint: Path) -> torch.nn.Module:
+    """A sharded checkpoint's model, whole, in this one process."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     checkpoint = Path(checkpoint)
     if not is_sharded(checkpoint):
         raise ValueError(f"{checkpoint} holds no {SHARDED}/ folder: it is not a sharded checkpoint (a DDP checkpoint is an HF model already)")
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    model.generation_config = GenerationConfig.from_pretrained(checkpoint)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint / SHARDED, no_dist=True)
     model.load_state_dict(state["model"])
-    model.save_pretrained(out)
+    return model
+
+
+def export(checkpoint: Path, out: Path) -> Path:
+    """A sharded checkpoint's weights as a plain HF model (and its tokenizer) in `out`, by one
+    process holding the model once."""
+    from transformers import AutoTokenizer
+
+    load_model(checkpoint).save_pretrained(out)
     AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
     return out
