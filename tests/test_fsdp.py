@@ -13,12 +13,15 @@ import sys
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import GenerationConfig
 
 from conftest import ENV, Server, command, free_port, kill_server_mid_run, restart_server_mid_run, run_cli, train
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.weights import StagedWeights, buckets, fingerprint
+from tandem.trainer.config import ConfigError, TrainConfig
+from tandem.trainer.sharding import from_accelerate_config
 
 DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
 # FSDP reduce-scatters gradients in another order than DDP all-reduces them, and one process
@@ -234,3 +237,40 @@ def test_staged_weights_read_back_bucket_by_bucket_with_the_same_fingerprint(tmp
     assert len(again) == 2 and fingerprint(again) == fingerprint(named[:2])
     again.remove()
     assert not (tmp_path / "push").exists()
+
+
+ACCELERATE_FSDP = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: false
+  fsdp_transformer_layer_cls_to_wrap: Qwen2DecoderLayer
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+use_cpu: true
+"""
+
+
+def test_an_accelerate_fsdp_config_file_shards_the_run_as_it_says(ender, data, tmp_path):
+    (tmp_path / "fsdp.yaml").write_text(ACCELERATE_FSDP)
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp.yaml"), "--main_process_port", str(free_port())]
+    proc = subprocess.run([*launch, "-m", "tandem.cli", "train", *map(str, args(ender, data, out, 8, "--max_steps", "2"))],
+                          capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["fsdp"] == "shard_grad_op" and resolved["fsdp_config"] == {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
+    assert sorted(p.name for p in (out / "checkpoint-2" / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_what_tandem_cannot_take_from_an_accelerate_fsdp_config_is_a_config_error():
+    # (accelerate itself stops an fsdp_version 1 run on a CPU before tandem starts; on GPUs tandem says it)
+    base = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    for env, message in [({**base, "FSDP_VERSION": "1"}, "set fsdp_version: 2"), ({**base, "FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params")]:
+        with pytest.raises(ConfigError, match=message):
+            from_accelerate_config(TrainConfig(), env)
+    config = TrainConfig(fsdp="full_shard")
+    from_accelerate_config(config, {**base, "FSDP_RESHARD_AFTER_FORWARD": "false"})
+    assert config.fsdp == "full_shard", "an fsdp option given wins over the environment"
