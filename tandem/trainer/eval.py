@@ -82,7 +82,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
     from tandem.rollout.engine import TransformersEngine, eos_token_ids
     from tandem.trainer.config import TrainConfig
     from tandem.trainer.setup import load_prompts
-    from tandem.trainer.sharding import SHARDED, load_model
+    from tandem.trainer.sharding import is_sharded, load_model
 
     config = TrainConfig(model_name_or_path=model, dataset_name=dataset, reward_funcs=reward_funcs, reward_weights=reward_weights,
                          max_completion_length=max_completion_length, temperature=temperature, max_prompt_length=max_prompt_length, seed=seed)  # fmt: skip
@@ -92,7 +92,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
         from tandem.trainer.lora import from_checkpoint
 
         lm = from_checkpoint(Path(model))
-    elif (Path(model) / SHARDED).is_dir():  # a sharded (fsdp) checkpoint, gathered in this process
+    elif is_sharded(Path(model)):  # a sharded (fsdp) checkpoint, gathered in this process
         lm = load_model(Path(model))
     else:
         lm = AutoModelForCausalLM.from_pretrained(model)
