@@ -259,11 +259,15 @@ class TrainConfig:
         except ValueError as exc:
             raise ConfigError(str(exc).replace("max_tokens", "max_completion_length")) from None
 
+    def fsdp_options(self) -> dict:
+        """fsdp_config with transformers' optional fsdp_ prefix dropped from its keys."""
+        return {k.removeprefix("fsdp_"): v for k, v in (self.fsdp_config or {}).items()}
+
     def _validate_fsdp(self, need) -> None:
         words = self.fsdp.split()
         need(all(w in FSDP_OPTIONS for w in words), "fsdp", f"give {FSDP_OPTIONS[0]} or {FSDP_OPTIONS[1]}, optionally with auto_wrap (or nothing for DDP)")
         need(not ("full_shard" in words and "shard_grad_op" in words), "fsdp", "give full_shard or shard_grad_op, not both")
-        options = {k.removeprefix("fsdp_"): v for k, v in (self.fsdp_config or {}).items()}
+        options = self.fsdp_options()
         unknown = [k for k in options if k not in FSDP_CONFIG_KEYS]
         need(not unknown, "fsdp_config", f"unknown keys {unknown}; known: {', '.join(FSDP_CONFIG_KEYS)}")
         need(options.get("version", 2) == 2, "fsdp_config", "version must be 2 (tandem shards with FSDP2)")

@@ -42,7 +42,7 @@ def plan(config: TrainConfig) -> Plan | None:
     """The run's sharding, from fsdp and fsdp_config; None for DDP."""
     if not config.fsdp:
         return None
-    options = {k.removeprefix("fsdp_"): v for k, v in (config.fsdp_config or {}).items()}
+    options = config.fsdp_options()
     layers = options.get("transformer_layer_cls_to_wrap")
     return Plan(
         reshard_after_forward=options.get("reshard_after_forward", "shard_grad_op" not in config.fsdp.split()),
@@ -100,12 +100,11 @@ def full_weights(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
     """Each weight gathered whole, one at a time. Every rank must run this to the end, in the
     same order: each gather is a collective."""
     for name, p in named:
-        t = p.detach()
-        yield name, t.full_tensor() if isinstance(t, DTensor) else t
+        yield name, full_value(p.detach())
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
-    """A sharded scalar (a gradient norm of DTensor gradients) as a plain tensor."""
+    """A sharded tensor (a weight, or the gradient norm of DTensor gradients) whole, as a plain tensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
