@@ -228,6 +228,21 @@ def _reject_unknown(parser: argparse.ArgumentParser, command: str, unknown: list
     sub.error("\n".join(lines) or f"unrecognized arguments: {' '.join(unknown)}")
 
 
+def _log_to_stderr() -> None:
+    """tandem's log lines on the stderr of this call. One handler, replaced on each call, so that
+    main() called again in one process (a notebook, a sweep, the tests) neither repeats every line
+    nor writes to a stream an earlier caller has closed."""
+    log = logging.getLogger("tandem")
+    for old in [h for h in log.handlers if getattr(h, "tandem_cli", False)]:
+        log.removeHandler(old)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tandem: %(message)s"))
+    handler.tandem_cli = True
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     from tandem.rollout.client import RolloutServerError
     from tandem.trainer.config import ConfigError
@@ -236,12 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _reject_unknown(parser, args.command, unknown)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("tandem: %(message)s"))
-    log = logging.getLogger("tandem")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    _log_to_stderr()
     try:
         return args.run(args)
     except ConfigError as exc:

@@ -1,25 +1,64 @@
+import contextlib
+import faulthandler
 import importlib.util
+import io
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 import requests
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def run_cli(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
-    """The real `tandem` command in a separate process."""
+    """The real `tandem` command in a separate process: for what only a process shows (its exit
+    code, its output streams, signals, what it leaves running)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
         [sys.executable, "-m", "tandem.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
     )
+
+
+def cli_here(*args, timeout=300) -> subprocess.CompletedProcess:
+    """The real `tandem` command, `tandem.cli.main(argv)`, in this process: for tests of what a run
+    does (trains, logs, saves, refuses), where a separate process adds only its 4-5 s of imports.
+    It runs as `train()` runs a process, with one torch thread (OMP_NUM_THREADS=1), and returns
+    what run_cli returns: main's exit code, or 1 and the traceback for an exception it lets out.
+    A run past `timeout` ends the whole test session with every thread's traceback: a hang here
+    must not hang CI."""
+    from tandem.cli import main
+
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    out, err = io.StringIO(), io.StringIO()
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as exc:  # argparse: --help, a usage error
+                code = exc.code if isinstance(exc.code, int) else 2
+            except Exception:  # what the process would print before exiting with 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+    return subprocess.CompletedProcess(["tandem", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="session")
@@ -146,5 +185,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def train(procs, args, timeout=300, launcher="torchrun"):
-    proc = subprocess.run(command(procs, args, launcher), capture_output=True, text=True, timeout=timeout, env=ENV)
+    """A run that must succeed: one process in this one (cli_here), several under the launcher."""
+    if procs == 1:
+        proc = cli_here("train", *args, timeout=timeout)
+    else:
+        proc = subprocess.run(command(procs, args, launcher), capture_output=True, text=True, timeout=timeout, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc

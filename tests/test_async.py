@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ENV, Server, command, kill_server_mid_run, train
+from conftest import ENV, Server, cli_here, command, kill_server_mid_run, train
 from tandem.demo import addition_rows, write_jsonl
 
 DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
@@ -165,7 +165,7 @@ def test_a_reward_crash_in_the_background_reaches_the_trainer(tiny_model, data, 
     args = base_args(tiny_model, data, tmp_path / "run", 16, "--max_steps", "10", "--rollout_mode", "server",
                      "--rollout_server_urls", server.url, "--async_generate", "true",
                      "--reward_funcs", f"{data.parent / 'crash.py'}:crash_on_third_round")  # fmt: skip
-    proc = subprocess.run(command(1, args), capture_output=True, text=True, timeout=120, env=ENV)
+    proc = cli_here("train", *args, timeout=120)
     assert proc.returncode != 0
     assert "reward function 'crash_on_third_round' raised ZeroDivisionError: boom in round 2" in proc.stderr
 
@@ -188,7 +188,6 @@ def test_killing_the_server_stops_every_process_with_an_error_naming_it(tiny_mod
 
 
 def test_async_generate_needs_server_mode(tiny_model, data, tmp_path):
-    proc = subprocess.run(command(1, base_args(tiny_model, data, tmp_path / "x", 16, "--async_generate", "true")),
-                          capture_output=True, text=True, timeout=60, env=ENV)  # fmt: skip
+    proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "x", 16, "--async_generate", "true"))
     assert proc.returncode == 2 and "async_generate" in proc.stderr and "rollout_mode: server" in proc.stderr
 

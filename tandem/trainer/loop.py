@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
@@ -75,6 +76,10 @@ class Trainer:
         set_seed(config.seed)
         # Every collective gets a finite timeout: a rank that died can never hang the others forever.
         pg_timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))
+        # accelerate keeps one process-wide state and refuses another mixed precision once it is set:
+        # a second run in this process (a notebook, a sweep, the tests) starts from a clean one. The
+        # process group (PartialState) is kept.
+        AcceleratorState._reset_state()
         self.accelerator = Accelerator(
             mixed_precision="bf16" if config.bf16 else "no",
             kwargs_handlers=[pg_timeout],
