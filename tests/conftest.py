@@ -28,18 +28,20 @@ def run_cli(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
     )
 
 
-def cli_here(*args, timeout=300) -> subprocess.CompletedProcess:
+def cli_here(*args, timeout=300, one_thread=True) -> subprocess.CompletedProcess:
     """The real `tandem` command, `tandem.cli.main(argv)`, in this process: for tests of what a run
     does (trains, logs, saves, refuses), where a separate process adds only its 4-5 s of imports.
-    It runs as `train()` runs a process, with one torch thread (OMP_NUM_THREADS=1), and returns
-    what run_cli returns: main's exit code, or 1 and the traceback for an exception it lets out.
-    A run past `timeout` ends the whole test session with every thread's traceback: a hang here
-    must not hang CI."""
+    It runs as `train()` runs a process, with one torch thread (OMP_NUM_THREADS=1), or with
+    torch's default of one per core (one_thread=False: a run long enough to gain from them). It
+    returns what run_cli returns: main's exit code, or 1 and the traceback for an exception it
+    lets out. A run past `timeout` ends the whole test session with every thread's traceback: a
+    hang here must not hang CI."""
     from tandem.cli import main
 
-    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    before, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    if one_thread:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     out, err = io.StringIO(), io.StringIO()
     faulthandler.dump_traceback_later(timeout, exit=True)
     try:
@@ -53,9 +55,9 @@ def cli_here(*args, timeout=300) -> subprocess.CompletedProcess:
                 code = 1
     finally:
         faulthandler.cancel_dump_traceback_later()
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
         if omp is None:
-            os.environ.pop("OMP_NUM_THREADS")
+            os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = omp
     return subprocess.CompletedProcess(["tandem", *map(str, args)], code, out.getvalue(), err.getvalue())
@@ -184,9 +186,11 @@ def command(procs: int, args: list, launcher: str = "torchrun") -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def train(procs, args, timeout=300, launcher="torchrun"):
-    """A run that must succeed: one process in this one (cli_here), several under the launcher."""
-    if procs == 1:
+def train(procs, args, timeout=300, launcher="torchrun", separate=False):
+    """A run that must succeed: one process in this one (cli_here) unless `separate`, several
+    under the launcher. A one-process fsdp run is separate: it makes a process group of one,
+    which would outlive it in this process."""
+    if procs == 1 and not separate:
         proc = cli_here("train", *args, timeout=timeout)
     else:
         proc = subprocess.run(command(procs, args, launcher), capture_output=True, text=True, timeout=timeout, env=ENV)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 from tandem.cli import build_parser
 from tandem.trainer.config import ConfigError, TrainConfig, config_from_args
 
@@ -93,7 +93,7 @@ def test_bad_config_fails_through_the_cli_before_the_model_loads(tmp_path):
 
 
 def test_unknown_command_line_option_fails_with_a_suggestion():
-    proc = run_cli(*BASE, "--learning_rte", "1e-5", "--numgenerations", "4")
+    proc = cli_here(*BASE, "--learning_rte", "1e-5", "--numgenerations", "4")
     assert proc.returncode == 2
     assert "unknown option --learning_rte; did you mean --learning_rate?" in proc.stderr
     assert "unknown option --numgenerations; did you mean --num_generations?" in proc.stderr
@@ -119,15 +119,15 @@ def test_trl_names_of_the_off_policy_options_are_accepted(tmp_path):
 
 
 def test_gspo_with_a_token_sum_loss_warns_and_names_the_loss_type_to_use(tmp_path):
-    proc = run_cli(*BASE, "--importance_sampling_level", "sequence", "--loss_type", "dapo", "--output_dir", tmp_path / "run")
+    proc = cli_here(*BASE, "--importance_sampling_level", "sequence", "--loss_type", "dapo", "--output_dir", tmp_path / "run")
     assert "importance_sampling_level 'sequence' with loss_type 'dapo'" in proc.stderr
     assert "use loss_type grpo" in proc.stderr
-    proc = run_cli(*BASE, "--importance_sampling_level", "sequence", "--loss_type", "grpo", "--output_dir", tmp_path / "run2")
+    proc = cli_here(*BASE, "--importance_sampling_level", "sequence", "--loss_type", "grpo", "--output_dir", tmp_path / "run2")
     assert "importance_sampling_level" not in proc.stderr
 
 
 def test_help_explains_every_option():
-    proc = run_cli("train", "--help")
+    proc = cli_here("train", "--help")
     assert proc.returncode == 0
     for name in TrainConfig.__dataclass_fields__:
         assert f"--{name}" in proc.stdout, name

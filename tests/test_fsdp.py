@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import GenerationConfig
 
-from conftest import ENV, Server, command, free_port, kill_server_mid_run, restart_server_mid_run, run_cli, train
+from conftest import ENV, Server, cli_here, command, free_port, kill_server_mid_run, restart_server_mid_run, train
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.weights import StagedWeights, buckets, fingerprint
 from tandem.trainer.config import ConfigError, TrainConfig
@@ -73,7 +73,7 @@ def assert_trains_alike(a, b):
 
 
 def exported(checkpoint, out) -> dict:
-    proc = run_cli("export", checkpoint, out)
+    proc = cli_here("export", checkpoint, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(out / "model.safetensors")
 
@@ -89,7 +89,7 @@ def colocated(ender, data, tmp_path_factory):
     train(2, args(ender, data, root / "fsdp", 8, *extra, "--fsdp", "full_shard", "--save_steps", "2"))
     train(2, args(ender, data, root / "ddp", 8, *extra))
     train(1, args(ender, data, root / "one", 16, *extra))
-    train(1, args(ender, data, root / "fsdp1", 16, *extra, "--fsdp", "full_shard"))  # a process group of one
+    train(1, args(ender, data, root / "fsdp1", 16, *extra, "--fsdp", "full_shard"), separate=True)  # a process group of one
     return root
 
 
@@ -128,7 +128,7 @@ def test_a_sharded_checkpoint_resumes_bitwise_and_exports_as_a_model(colocated, 
     assert all(torch.equal(whole[k], resumed[k]) for k in whole), "weights must be bitwise equal"
     # `tandem eval` reads a sharded checkpoint as it is, and scores it as it scores the export
     held_out = colocated / "held_out.jsonl"
-    scores = [run_cli("eval", "--model", m, "--dataset", held_out, "--reward_funcs", f"{data.parent / 'digits.py'}:digits",
+    scores = [cli_here("eval", "--model", m, "--dataset", held_out, "--reward_funcs", f"{data.parent / 'digits.py'}:digits",
                       "--max_completion_length", "16", "--out", tmp_path / f"{i}.json") for i, m in enumerate([out / "checkpoint-4", tmp_path / "again"])]  # fmt: skip
     assert [p.returncode for p in scores] == [0, 0], scores[0].stderr[-2000:]
     first, second = ({k: v for k, v in json.loads((tmp_path / f"{i}.json").read_text()).items() if k.startswith("eval/") and "seconds" not in k} for i in (0, 1))
@@ -143,7 +143,7 @@ def test_a_sharded_checkpoint_on_another_number_of_processes_is_refused_naming_b
                           capture_output=True, text=True, timeout=120, env=ENV)  # fmt: skip
     assert proc.returncode == 2
     assert "written by 2 processes, this run has 1" in proc.stderr and "tandem export" in proc.stderr, proc.stderr[-2000:]
-    proc = run_cli("export", colocated / "ddp" / "checkpoint-2", tmp_path / "y")
+    proc = cli_here("export", colocated / "ddp" / "checkpoint-2", tmp_path / "y")
     assert proc.returncode == 2 and "not a sharded checkpoint" in proc.stderr
 
 

@@ -14,7 +14,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import Server, run_cli, wait_for_step
+from conftest import Server, cli_here, run_cli, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.client import RolloutClient
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
@@ -44,7 +44,7 @@ def test_the_demo_task_reward_rises_with_lora(tmp_path):
     # Measured (300 steps, seeds 0, 1, 2): first-10-step mean 0.23-0.25, last-10 0.49-0.52, a
     # rise of 0.25-0.27; the threshold leaves a wide margin for other machines' numerics.
     config = Path(__file__).resolve().parents[1] / "examples" / "addition_lora.yaml"
-    proc = run_cli("demo", "--config", config, "--output_dir", tmp_path / "demo", "--max_steps", "300", "--seed", "0")
+    proc = cli_here("demo", "--config", config, "--output_dir", tmp_path / "demo", "--max_steps", "300", "--seed", "0", one_thread=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics, _ = read(tmp_path / "demo" / "run")
     rewards = [m["reward"] for m in metrics]
@@ -119,7 +119,7 @@ def test_sigkill_then_resume_with_lora_gives_bitwise_equal_adapters(tiny_model, 
 
 def test_merge_writes_a_full_model_that_computes_what_base_and_adapters_do(tiny_model, data, tmp_path):
     train(1, base_args(tiny_model, data, tmp_path / "run", 32, *LORA, "--max_steps", "2"))
-    proc = run_cli("merge", tmp_path / "run" / "checkpoint-2", tmp_path / "merged")
+    proc = cli_here("merge", tmp_path / "run" / "checkpoint-2", tmp_path / "merged")
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), tmp_path / "run" / "checkpoint-2")
@@ -128,7 +128,7 @@ def test_merge_writes_a_full_model_that_computes_what_base_and_adapters_do(tiny_
         expected, got = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
     assert not torch.equal(expected, AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=ids).logits)  # the adapters did train
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    proc = run_cli("merge", tmp_path / "merged", tmp_path / "again")
+    proc = cli_here("merge", tmp_path / "merged", tmp_path / "again")
     assert proc.returncode != 0 and "not a LoRA checkpoint" in proc.stderr
 
 
@@ -179,8 +179,8 @@ def test_a_lora_trainer_refuses_a_server_with_another_base_model(tiny_model, dat
     assert run_cli("init-model", other, "--size", "tiny", "--seed", "1").returncode == 0
     server = Server(other)
     try:
-        proc = subprocess.run(command(1, base_args(tiny_model, data, tmp_path / "run", 32, *LORA, "--max_steps", "1", "--rollout_mode", "server",
-                                                   "--rollout_server_urls", server.url)), capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
+        proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "run", 32, *LORA, "--max_steps", "1", "--rollout_mode", "server",
+                                            "--rollout_server_urls", server.url))  # fmt: skip
     finally:
         server.stop()
     assert proc.returncode == 1
@@ -200,7 +200,7 @@ def test_a_lora_trainer_refuses_a_server_with_another_base_model(tiny_model, dat
     ],
 )
 def test_bad_lora_options_fail_before_training_naming_the_field(tiny_model, data, tmp_path, options, message):
-    proc = run_cli("train", *base_args(tiny_model, data, tmp_path / "run", 32, "--use_peft", "true", "--max_steps", "1", *options))
+    proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "run", 32, "--use_peft", "true", "--max_steps", "1", *options))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr, proc.stderr[-2000:]
     if "linear module" in message:
@@ -210,7 +210,7 @@ def test_bad_lora_options_fail_before_training_naming_the_field(tiny_model, data
 
 def test_a_lora_checkpoint_resumed_without_use_peft_is_refused(tiny_model, data, tmp_path):
     train(1, base_args(tiny_model, data, tmp_path / "run", 32, *LORA, "--max_steps", "1"))
-    proc = run_cli("train", *base_args(tiny_model, data, tmp_path / "run", 32, "--max_steps", "2", "--resume_from_checkpoint", "latest"))
+    proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "run", 32, "--max_steps", "2", "--resume_from_checkpoint", "latest"))
     assert proc.returncode == 2 and "holds LoRA adapters: resume it with use_peft true" in proc.stderr, proc.stderr[-2000:]
 
 

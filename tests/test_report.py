@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_here
 from tandem.demo import addition_rows, write_jsonl
 from test_async import DIGITS, base_args
 
@@ -28,7 +28,7 @@ def test_tensorboard_gets_every_metric_at_the_steps_of_metrics_jsonl(tiny_model,
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    proc = run_cli("train", *base_args(tiny_model, data, out, 32, "--max_steps", "3", "--report_to", "tensorboard"))
+    proc = cli_here("train", *base_args(tiny_model, data, out, 32, "--max_steps", "3", "--report_to", "tensorboard"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = metrics(out)
     events = EventAccumulator(str(out / "tandem"))
@@ -55,7 +55,7 @@ def test_wandb_offline_writes_its_run_folder_with_the_metrics(tiny_model, data, 
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        proc = run_cli("train", *base_args(tiny_model, data, out, 32, "--max_steps", "3", "--report_to", "wandb"))
+        proc = cli_here("train", *base_args(tiny_model, data, out, 32, "--max_steps", "3", "--report_to", "wandb"))
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -80,27 +80,27 @@ def test_wandb_offline_writes_its_run_folder_with_the_metrics(tiny_model, data, 
     ],
 )
 def test_a_tracker_that_cannot_work_fails_before_training_naming_the_fix(tiny_model, data, tmp_path, report_to, message):
-    proc = run_cli("train", *base_args(tiny_model, data, tmp_path / "run", 32, "--max_steps", "1", "--report_to", *report_to))
+    proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "run", 32, "--max_steps", "1", "--report_to", *report_to))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
 def run(tiny_model, data, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "run"
-    proc = run_cli("train", *base_args(tiny_model, data, out, 32, "--max_steps", "3", "--num_completions_to_log", "8"))
+    proc = cli_here("train", *base_args(tiny_model, data, out, 32, "--max_steps", "3", "--num_completions_to_log", "8"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
 def test_plot_writes_a_png_of_one_run_or_several_overlaid(run, tmp_path):
     pytest.importorskip("matplotlib")
-    proc = run_cli("plot", run)
+    proc = cli_here("plot", run)
     assert proc.returncode == 0, proc.stderr[-2000:]
     png = run / "plot.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
-    proc = run_cli("plot", run, run, "--smooth", "2", "--out", tmp_path / "both.png")
+    proc = cli_here("plot", run, run, "--smooth", "2", "--out", tmp_path / "both.png")
     assert proc.returncode == 0 and (tmp_path / "both.png").stat().st_size > 20_000, proc.stderr[-2000:]
-    proc = run_cli("plot", tmp_path / "nothing")
+    proc = cli_here("plot", tmp_path / "nothing")
     assert proc.returncode == 2 and "has no metrics.jsonl" in proc.stderr
 
 
@@ -116,7 +116,7 @@ def test_plot_panels_find_per_function_rewards_and_smooth_skips_missing_values()
 def test_show_prints_the_logged_completions_of_a_step(run):
     logged = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     last = max(line["step"] for line in logged)
-    proc = run_cli("show", run, "--width", "400")
+    proc = cli_here("show", run, "--width", "400")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = proc.stdout.splitlines()
     assert rows[0].startswith(f"step {last}, round ") and "digits" in rows[1]
@@ -124,5 +124,5 @@ def test_show_prints_the_logged_completions_of_a_step(run):
     assert len(rows) == 2 + len(shown)
     for row, line in zip(rows[2:], shown):
         assert f"{line['advantage']:+.3f}" in row and "".join(c if c.isprintable() else repr(c)[1:-1] for c in line["completion"]) in row
-    proc = run_cli("show", run, "--step", "99")
+    proc = cli_here("show", run, "--step", "99")
     assert proc.returncode == 2 and "no completions logged at step 99" in proc.stderr

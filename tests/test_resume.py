@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from safetensors.torch import load_file
 
-from conftest import Server, kill_server_mid_run, restart_server_mid_run, wait_for_step
+from conftest import Server, kill_server_mid_run, restart_server_mid_run, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from test_async import DIGITS, ENV, base_args, command, read
 
@@ -23,12 +23,6 @@ def final_weights(out, step):
     return load_file(out / f"checkpoint-{step}" / "model.safetensors")
 
 
-def run(procs, args):
-    proc = subprocess.run(command(procs, args), capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
 @pytest.mark.parametrize("procs, mode", [(1, "sync"), (1, "async"), (2, "sync"), (2, "async")])
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, tmp_path, procs, mode):
     server = Server(tiny_model)
@@ -36,7 +30,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, tmp_p
         extra = ["--max_steps", "12", "--save_steps", "3", "--rollout_mode", "server", "--rollout_server_urls", server.url,
                  "--async_generate", "true" if mode == "async" else "false"]  # fmt: skip
         batch = 32 // procs
-        run(procs, base_args(tiny_model, data, tmp_path / "whole", batch, *extra))
+        train(procs, base_args(tiny_model, data, tmp_path / "whole", batch, *extra))
 
         out = tmp_path / "killed"
         trainer = subprocess.Popen(command(procs, base_args(tiny_model, data, out, batch, *extra)), stdout=subprocess.DEVNULL,
@@ -50,7 +44,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, tmp_p
         # always before the end: the resumed run has steps left to redo.
         assert (out / "latest").read_text().strip() in ("checkpoint-3", "checkpoint-6", "checkpoint-9")
         # the same server, left running, takes the resumed trainer's weights and version
-        run(procs, base_args(tiny_model, data, out, batch, *extra, "--resume_from_checkpoint", "latest"))
+        train(procs, base_args(tiny_model, data, out, batch, *extra, "--resume_from_checkpoint", "latest"))
     finally:
         server.stop()
     whole, resumed = final_weights(tmp_path / "whole", 12), final_weights(out, 12)
@@ -77,7 +71,7 @@ def test_a_server_restart_mid_run_changes_nothing(tiny_model, data, tmp_path, mo
              "--async_generate", "true" if mode == "async" else "false"]  # fmt: skip
     server = Server(tiny_model)
     try:
-        run(1, base_args(tiny_model, data, tmp_path / "calm", 32, *extra, "--rollout_mode", "server", "--rollout_server_urls", server.url))
+        train(1, base_args(tiny_model, data, tmp_path / "calm", 32, *extra, "--rollout_mode", "server", "--rollout_server_urls", server.url))
         out = tmp_path / "restarted"
         args = base_args(tiny_model, data, out, 32, *extra, "--rollout_mode", "server", "--rollout_server_urls", server.url)
         trainer = subprocess.Popen(command(1, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
@@ -105,7 +99,7 @@ def test_a_server_that_stays_down_stops_the_run_with_a_checkpoint_to_resume(tiny
     assert (out / "latest").read_text().strip() == f"checkpoint-{steps_done}"
     server = Server(tiny_model, port=server.port)
     try:
-        run(1, base_args(tiny_model, data, out, 32, *extra, "--rollout_server_urls", server.url, "--resume_from_checkpoint", "latest"))
+        train(1, base_args(tiny_model, data, out, 32, *extra, "--rollout_server_urls", server.url, "--resume_from_checkpoint", "latest"))
     finally:
         server.stop()
     assert [m["step"] for m in read(out)[0]] == list(range(1, 17))

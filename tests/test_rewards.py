@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import cli_here
 
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rewards import close_rewards, combine, load_reward_fn, load_rewards, score
@@ -155,10 +155,10 @@ def test_a_reward_model_scores_through_the_cli_as_transformers_scores_each_text_
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     rm, policy, data = tmp_path / "rm", tmp_path / "policy", tmp_path / "data.jsonl"
-    assert run_cli("init-model", rm, "--size", "tiny", "--reward-model", "--seed", "1").returncode == 0
-    assert run_cli("init-model", policy, "--size", "tiny").returncode == 0
+    assert cli_here("init-model", rm, "--size", "tiny", "--reward-model", "--seed", "1").returncode == 0
+    assert cli_here("init-model", policy, "--size", "tiny").returncode == 0
     write_jsonl(addition_rows(0), data)
-    proc = run_cli("train", "--config", EXAMPLES / "reward_model.yaml", "--model_name_or_path", policy, "--dataset_name", data,
+    proc = cli_here("train", "--config", EXAMPLES / "reward_model.yaml", "--model_name_or_path", policy, "--dataset_name", data,
                    "--output_dir", tmp_path / "run", "--max_steps", "2", "--reward_funcs", f"model:{rm}", "exact_match",
                    "--reward_model_batch_size", "5", "--num_completions_to_log", "16")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -180,7 +180,7 @@ def test_a_reward_model_scores_through_the_cli_as_transformers_scores_each_text_
 
 def test_a_reward_spec_that_does_not_load_is_a_config_error(tiny_model, tmp_path):
     data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
-    proc = run_cli("train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", f"model:{tmp_path / 'no_model'}")
+    proc = cli_here("train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", f"model:{tmp_path / 'no_model'}")
     assert proc.returncode == 2 and "config error: reward_funcs entry 'model:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
@@ -218,7 +218,7 @@ def test_reward_workers_score_a_run_as_the_thread_does(tiny_model, tmp_path):
     runs = {}
     for workers in ("0", "2"):
         out = tmp_path / f"workers{workers}"
-        proc = run_cli("train", "--config", EXAMPLES / "addition.yaml", "--model_name_or_path", tiny_model, "--dataset_name", data,
+        proc = cli_here("train", "--config", EXAMPLES / "addition.yaml", "--model_name_or_path", tiny_model, "--dataset_name", data,
                        "--output_dir", out, "--max_steps", "3", "--reward_funcs", "exact_match", "number_format", "--reward_num_workers", workers)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[workers] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import HAVE_VLLM, Server, free_port, run_cli
+from conftest import HAVE_VLLM, Server, cli_here, free_port, run_cli
 from tandem.rollout.client import RolloutClient, RolloutServerError
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
@@ -95,7 +95,7 @@ def test_concurrent_clients_are_batched_and_none_starves(server):
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here")
 def test_the_vllm_engine_without_vllm_says_how_to_install_it(tiny_model):
-    proc = run_cli("rollout", "--model", tiny_model, "--engine", "vllm", "--port", str(free_port()), timeout=60)
+    proc = cli_here("rollout", "--model", tiny_model, "--engine", "vllm", "--port", str(free_port()), timeout=60)
     assert proc.returncode == 2
     assert "pip install 'tandem-rl[vllm]'" in proc.stderr
 
@@ -107,7 +107,7 @@ def test_non_loopback_bind_without_a_key_refuses_to_start(tiny_model):
 
 
 def _train(args, out):
-    proc = run_cli("train", *args, "--output_dir", out, "--disable_tqdm", "true")
+    proc = cli_here("train", *args, "--output_dir", out, "--disable_tqdm", "true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     completions = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
@@ -149,7 +149,7 @@ def test_trainer_stops_with_an_error_naming_a_missing_server(tiny_model, tmp_pat
     url = f"http://127.0.0.1:{free_port()}"
     (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     t = time.monotonic()
-    proc = run_cli(
+    proc = cli_here(
         "train", "--model_name_or_path", tiny_model, "--dataset_name", tmp_path / "d.jsonl", "--reward_funcs", "exact_match",
         "--rollout_mode", "server", "--rollout_server_urls", url, "--rollout_server_timeout", "3", "--output_dir", tmp_path / "run",
     )  # fmt: skip

@@ -68,16 +68,25 @@ def rss_mb(server) -> float:
 
 
 def raw_request(server, head: bytes, body: bytes = b"", timeout: float = 10) -> bytes:
-    """Send bytes as they are on a fresh connection; the answer, or b'' if none came."""
+    """Send bytes as they are on a fresh connection; the answer, or what came of it by `timeout`
+    (b'' if nothing). A whole answer (its headers and Content-Length bytes) returns at once: a
+    server that keeps the connection open waits for a body that never comes, not this test."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as s:
         s.sendall(head + body)
         answer = b""
         try:
-            while chunk := s.recv(65536):
+            while not _whole(answer) and (chunk := s.recv(65536)):
                 answer += chunk
         except TimeoutError:
             pass
     return answer
+
+
+def _whole(answer: bytes) -> bool:
+    """Whether `answer` holds an HTTP response's headers and the body they announce."""
+    head, sep, rest = answer.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    return bool(sep) and length is not None and len(rest) >= int(length[1])
 
 
 def test_1_a_committed_version_cannot_be_changed_through_its_shared_memory(server, params):

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import run_cli
+from conftest import cli_here
 from tandem.demo import addition_rows, write_jsonl
 
 METRIC_FIELDS = [
@@ -38,7 +38,7 @@ def data(tmp_path_factory):
 
 
 def _train(tiny_model, data, out, *extra):
-    proc = run_cli(
+    proc = cli_here(
         "train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", out,
         "--reward_funcs", "exact_match", f"{data.parent / 'digits.py'}:digit_fraction", "--reward_weights", "1.0", "0.5",
         "--num_generations", "4", "--per_device_train_batch_size", "16", "--max_completion_length", "6",
@@ -109,7 +109,7 @@ def test_a_non_finite_step_never_updates_the_weights(tiny_model, data, tmp_path,
             "--reward_funcs", f"{tmp_path / 'huge.py'}:huge", "--scale_rewards", "none", "--num_generations", "4",
             "--per_device_train_batch_size", "16", "--max_completion_length", "6", "--learning_rate", "1e-2",
             "--max_steps", "2", "--disable_tqdm", "true", "--on_nonfinite", policy]  # fmt: skip
-    proc = run_cli(*args)
+    proc = cli_here(*args)
     if policy == "error":
         assert proc.returncode == 1
         assert "tandem: step 1: loss" in proc.stderr and "the weights were not updated" in proc.stderr, proc.stderr[-2000:]
