@@ -108,8 +108,7 @@ class Server:
         deadline = time.monotonic() + (300 if "vllm" in extra else 60)  # vLLM starts in 20-60 s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"the server exited: {self.log.read()}")
+                raise RuntimeError(f"the server exited: {self.output()}")
             try:
                 if requests.get(self.url + "/health", timeout=1).json()["status"] == "ready":
                     return
@@ -118,6 +117,10 @@ class Server:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError("server did not become ready")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def stop(self):
         if self.proc.poll() is None:
@@ -128,6 +131,41 @@ class Server:
     def kill(self):
         self.proc.kill()
         self.proc.wait(timeout=10)
+
+
+def hand_over(server: "Server", model_dir, api_key: str | None = None) -> "Server":
+    """A rollout server that tests share, handed to the next one as a new process would be: the
+    model's own weights live at version 0 (pushed back, forced, if an earlier test moved them), and
+    its fingerprint and version checked. A test that kills its server starts its own instead."""
+    from tandem.rollout.client import RolloutClient
+    from tandem.rollout.weights import fingerprint
+    from transformers import AutoModelForCausalLM
+
+    assert server.proc.poll() is None, f"the shared server exited:\n{server.output()}"
+    weights = list(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
+    fresh = {"version": 0, "fingerprint": fingerprint(weights)}
+    client = RolloutClient([server.url], api_key=api_key, server_timeout=60)
+    try:
+        if client.fingerprints()[0] != fresh:
+            client.push_weights(weights, version=0, force=True)
+        assert client.fingerprints()[0] == fresh, "the shared server does not hold the model's weights at version 0"
+    finally:
+        client.close()
+    return server
+
+
+@pytest.fixture(scope="session")
+def shared_server(tiny_model):
+    """One `tandem rollout` of the tiny model, default options, for every test that does not kill it."""
+    s = Server(tiny_model)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def server(shared_server, tiny_model) -> "Server":
+    """The shared tiny-model server, handed over fresh (see hand_over)."""
+    return hand_over(shared_server, tiny_model)
 
 
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, limit: float = 180) -> None:

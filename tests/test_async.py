@@ -42,13 +42,6 @@ def data(tmp_path_factory):
     return write_jsonl(addition_rows(0), folder / "data.jsonl")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    s = Server(tiny_model)
-    yield s
-    s.stop()
-
-
 def base_args(tiny_model, data, out, batch, *extra):
     return [
         "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", out,

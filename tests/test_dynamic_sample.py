@@ -6,7 +6,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import Server, train
+from conftest import train
 from tandem.demo import addition_rows, write_jsonl
 
 # Half the prompts teach nothing: an even first operand scores 1 whatever the completion. The
@@ -78,17 +78,13 @@ def test_resume_is_exact_with_dynamic_sampling(tiny_model, data, tmp_path):
     assert all((weights[k] == again[k]).all() for k in weights)
 
 
-def test_two_processes_sync_and_async_draw_the_same_rounds(tiny_model, data, tmp_path):
+def test_two_processes_sync_and_async_draw_the_same_rounds(tiny_model, data, server, tmp_path):
     # Each rank fills its own groups, without a collective; a round's draws depend on the seed,
     # the round and the rank only, so an async run (max_staleness 0) repeats the sync run exactly.
-    server = Server(tiny_model)
-    try:
-        common = ["--dynamic_sample", "true", "--rollout_mode", "server", "--rollout_server_urls", server.url,
-                  "--off_policy_correction", "none", "--per_device_train_batch_size", "8"]  # fmt: skip
-        train(2, args(tiny_model, data, tmp_path / "sync", *common))
-        train(2, args(tiny_model, data, tmp_path / "async", *common, "--async_generate", "true", "--max_staleness", "0"))
-    finally:
-        server.stop()
+    common = ["--dynamic_sample", "true", "--rollout_mode", "server", "--rollout_server_urls", server.url,
+              "--off_policy_correction", "none", "--per_device_train_batch_size", "8"]  # fmt: skip
+    train(2, args(tiny_model, data, tmp_path / "sync", *common))
+    train(2, args(tiny_model, data, tmp_path / "async", *common, "--async_generate", "true", "--max_staleness", "0"))
     (sync, sync_logged), (async_, async_logged) = read(tmp_path / "sync"), read(tmp_path / "async")
     keys = ["loss", "reward", "frac_reward_zero_std", "dynamic_sample/dropped_groups", "dynamic_sample/resampled_completions"]
     assert [[m[k] for k in keys] for m in sync] == [[m[k] for k in keys] for m in async_]

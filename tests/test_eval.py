@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import Server, cli_here, train
+from conftest import cli_here, train
 from tandem.demo import addition_rows, write_jsonl
 from tandem.trainer.eval import pass_at_k
 from test_async import DIGITS, base_args
@@ -31,19 +31,15 @@ def test_pass_at_k_is_the_unbiased_estimator():
     assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
 
 
-def test_eval_during_training_equals_tandem_eval_of_the_checkpoint_in_colocated_and_server_mode(tiny_model, data, tmp_path):
+def test_eval_during_training_equals_tandem_eval_of_the_checkpoint_in_colocated_and_server_mode(tiny_model, data, server, tmp_path):
     held_out = data.parent / "held_out.jsonl"
     common = ["--max_steps", "4", "--eval_dataset", held_out, *EVAL]
     proc = train(1, base_args(tiny_model, data, tmp_path / "colocate", 32, *common))
     assert "step 4 eval on 12 prompts: reward" in proc.stdout, proc.stdout[-2000:]
-    server = Server(tiny_model)
-    try:
-        # Without the off-policy correction a server run trains the same bits as a colocated one
-        # (test_server), and the evaluation's fixed seeds give the same completions.
-        train(1, base_args(tiny_model, data, tmp_path / "server", 32, *common, "--rollout_mode", "server",
-                        "--rollout_server_urls", server.url, "--off_policy_correction", "none"))  # fmt: skip
-    finally:
-        server.stop()
+    # Without the off-policy correction a server run trains the same bits as a colocated one
+    # (test_server), and the evaluation's fixed seeds give the same completions.
+    train(1, base_args(tiny_model, data, tmp_path / "server", 32, *common, "--rollout_mode", "server",
+                       "--rollout_server_urls", server.url, "--off_policy_correction", "none"))  # fmt: skip
     local, remote = evals(tmp_path / "colocate"), evals(tmp_path / "server")
     assert [e["step"] for e in local] == [2, 4]
     assert all(0 <= e["eval/pass@1"] <= e["eval/pass@4"] <= 1 and e["eval/prompts"] == 12 for e in local)
@@ -57,12 +53,8 @@ def test_eval_during_training_equals_tandem_eval_of_the_checkpoint_in_colocated_
     assert {k: alone[k] for k in strip(local[-1]) if k != "step"} == {k: v for k, v in strip(local[-1]).items() if k != "step"}
 
 
-def test_greedy_eval_in_an_async_run_gives_one_completion_per_prompt(tiny_model, data, tmp_path):
-    server = Server(tiny_model)
-    try:
-        train(1, base_args(tiny_model, data, tmp_path / "run", 32, "--max_steps", "3", "--eval_dataset", data.parent / "held_out.jsonl",
-                        "--eval_greedy", "true", "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true"))  # fmt: skip
-    finally:
-        server.stop()
+def test_greedy_eval_in_an_async_run_gives_one_completion_per_prompt(tiny_model, data, server, tmp_path):
+    train(1, base_args(tiny_model, data, tmp_path / "run", 32, "--max_steps", "3", "--eval_dataset", data.parent / "held_out.jsonl",
+                       "--eval_greedy", "true", "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true"))  # fmt: skip
     (last,) = evals(tmp_path / "run")  # eval_steps 0: once, at the end
     assert last["step"] == 3 and "eval/pass@1" in last and not any(k.startswith("eval/pass@") and k != "eval/pass@1" for k in last)

@@ -14,7 +14,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import Server, cli_here, run_cli, wait_for_step
+from conftest import Server, cli_here, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.client import RolloutClient
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
@@ -53,18 +53,14 @@ def test_the_demo_task_reward_rises_with_lora(tmp_path):
     assert (tmp_path / "demo" / "run" / "checkpoint-300" / "adapter_model.safetensors").is_file()
 
 
-def test_server_mode_with_lora_trains_like_colocated_mode_and_pushes_only_adapters(tiny_model, data, tmp_path):
+def test_server_mode_with_lora_trains_like_colocated_mode_and_pushes_only_adapters(tiny_model, data, server, tmp_path):
     extra = [*LORA, "--max_steps", "4", "--beta", "0.05", "--lora_modules_to_save", "norm"]  # the final norm, trained whole
-    server = Server(tiny_model)
-    try:
-        # Without the off-policy correction the trainer's loss depends on the completions alone,
-        # and the server samples them from merged weights as the colocated engine does from
-        # the adapter layers: the same tokens, so the same losses.
-        train(1, base_args(tiny_model, data, tmp_path / "server", 32, *extra, "--rollout_mode", "server",
-                           "--rollout_server_urls", server.url, "--verify_weight_sync", "true", "--off_policy_correction", "none"))  # fmt: skip
-        served = requests.get(server.url + "/weights/fingerprint", timeout=30).json()
-    finally:
-        server.stop()
+    # Without the off-policy correction the trainer's loss depends on the completions alone,
+    # and the server samples them from merged weights as the colocated engine does from
+    # the adapter layers: the same tokens, so the same losses.
+    train(1, base_args(tiny_model, data, tmp_path / "server", 32, *extra, "--rollout_mode", "server",
+                       "--rollout_server_urls", server.url, "--verify_weight_sync", "true", "--off_policy_correction", "none"))  # fmt: skip
+    served = requests.get(server.url + "/weights/fingerprint", timeout=30).json()
     train(1, base_args(tiny_model, data, tmp_path / "colocate", 32, *extra))
     (remote, remote_c), (local, local_c) = read(tmp_path / "server"), read(tmp_path / "colocate")
     assert [c["completion"] for c in remote_c] == [c["completion"] for c in local_c]
@@ -90,26 +86,22 @@ def test_two_processes_with_lora_train_like_one_with_twice_the_batch(tiny_model,
 
 
 @pytest.mark.parametrize("mode", ["colocate", "server_async"])
-def test_sigkill_then_resume_with_lora_gives_bitwise_equal_adapters(tiny_model, data, tmp_path, mode):
-    server = Server(tiny_model) if mode == "server_async" else None
+def test_sigkill_then_resume_with_lora_gives_bitwise_equal_adapters(tiny_model, data, tmp_path, mode, request):
     extra = [*LORA, "--lora_dropout", "0.1", "--beta", "0.05", "--max_steps", "9", "--save_steps", "3"]
-    if server is not None:
+    if mode == "server_async":
+        server = request.getfixturevalue("server")
         extra += ["--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true"]
+    train(1, base_args(tiny_model, data, tmp_path / "whole", 32, *extra))
+    out = tmp_path / "killed"
+    trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 32, *extra)), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)  # fmt: skip
     try:
-        train(1, base_args(tiny_model, data, tmp_path / "whole", 32, *extra))
-        out = tmp_path / "killed"
-        trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 32, *extra)), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)  # fmt: skip
-        try:
-            wait_for_step(out, 4, trainer)
-        finally:
-            os.killpg(trainer.pid, signal.SIGKILL)
-            trainer.wait(timeout=30)
-        assert (out / "latest").read_text().strip() in ("checkpoint-3", "checkpoint-6")
-        train(1, base_args(tiny_model, data, out, 32, *extra, "--resume_from_checkpoint", "latest"))
+        wait_for_step(out, 4, trainer)
     finally:
-        if server is not None:
-            server.stop()
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+    assert (out / "latest").read_text().strip() in ("checkpoint-3", "checkpoint-6")
+    train(1, base_args(tiny_model, data, out, 32, *extra, "--resume_from_checkpoint", "latest"))
     whole, resumed = adapters(tmp_path / "whole", 9), adapters(out, 9)
     assert whole.keys() == resumed.keys() and all((whole[k] == resumed[k]).all() for k in whole), "adapters must be bitwise equal"
     (m_whole, _), (m_resumed, _) = read(tmp_path / "whole"), read(out)
@@ -132,9 +124,8 @@ def test_merge_writes_a_full_model_that_computes_what_base_and_adapters_do(tiny_
     assert proc.returncode != 0 and "not a LoRA checkpoint" in proc.stderr
 
 
-def test_a_server_serves_pushed_adapters_merged_as_a_local_adapted_model_generates(tiny_model, tmp_path):
+def test_a_server_serves_pushed_adapters_merged_as_a_local_adapted_model_generates(tiny_model, server, tmp_path):
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), _trained_adapter(tiny_model, tmp_path))
-    server = Server(tiny_model)
     client = RolloutClient([server.url], server_timeout=30)
     try:
         client.wait_until_ready()
@@ -157,7 +148,6 @@ def test_a_server_serves_pushed_adapters_merged_as_a_local_adapted_model_generat
         assert r.status_code == 400 and name in r.json()["error"] and "columns" in r.json()["error"], r.text
     finally:
         client.close()
-        server.stop()
 
 
 def _trained_adapter(tiny_model, tmp_path) -> Path:
@@ -176,7 +166,7 @@ def _trained_adapter(tiny_model, tmp_path) -> Path:
 
 def test_a_lora_trainer_refuses_a_server_with_another_base_model(tiny_model, data, tmp_path):
     other = tmp_path / "other"
-    assert run_cli("init-model", other, "--size", "tiny", "--seed", "1").returncode == 0
+    assert cli_here("init-model", other, "--size", "tiny", "--seed", "1").returncode == 0
     server = Server(other)
     try:
         proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "run", 32, *LORA, "--max_steps", "1", "--rollout_mode", "server",

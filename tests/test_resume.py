@@ -24,29 +24,25 @@ def final_weights(out, step):
 
 
 @pytest.mark.parametrize("procs, mode", [(1, "sync"), (1, "async"), (2, "sync"), (2, "async")])
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, tmp_path, procs, mode):
-    server = Server(tiny_model)
-    try:
-        extra = ["--max_steps", "12", "--save_steps", "3", "--rollout_mode", "server", "--rollout_server_urls", server.url,
-                 "--async_generate", "true" if mode == "async" else "false"]  # fmt: skip
-        batch = 32 // procs
-        train(procs, base_args(tiny_model, data, tmp_path / "whole", batch, *extra))
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, server, tmp_path, procs, mode):
+    extra = ["--max_steps", "12", "--save_steps", "3", "--rollout_mode", "server", "--rollout_server_urls", server.url,
+             "--async_generate", "true" if mode == "async" else "false"]  # fmt: skip
+    batch = 32 // procs
+    train(procs, base_args(tiny_model, data, tmp_path / "whole", batch, *extra))
 
-        out = tmp_path / "killed"
-        trainer = subprocess.Popen(command(procs, base_args(tiny_model, data, out, batch, *extra)), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)  # fmt: skip
-        try:
-            wait_for_step(out, 5, trainer)
-        finally:
-            os.killpg(trainer.pid, signal.SIGKILL)  # the whole process group: torchrun and its workers
-            trainer.wait(timeout=30)
-        # The kill lands a few steps after step 5, so after checkpoint 3 or 6 (or 9 on a slow kill),
-        # always before the end: the resumed run has steps left to redo.
-        assert (out / "latest").read_text().strip() in ("checkpoint-3", "checkpoint-6", "checkpoint-9")
-        # the same server, left running, takes the resumed trainer's weights and version
-        train(procs, base_args(tiny_model, data, out, batch, *extra, "--resume_from_checkpoint", "latest"))
+    out = tmp_path / "killed"
+    trainer = subprocess.Popen(command(procs, base_args(tiny_model, data, out, batch, *extra)), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)  # fmt: skip
+    try:
+        wait_for_step(out, 5, trainer)
     finally:
-        server.stop()
+        os.killpg(trainer.pid, signal.SIGKILL)  # the whole process group: torchrun and its workers
+        trainer.wait(timeout=30)
+    # The kill lands a few steps after step 5, so after checkpoint 3 or 6 (or 9 on a slow kill),
+    # always before the end: the resumed run has steps left to redo.
+    assert (out / "latest").read_text().strip() in ("checkpoint-3", "checkpoint-6", "checkpoint-9")
+    # the same server, left running, takes the resumed trainer's weights and version
+    train(procs, base_args(tiny_model, data, out, batch, *extra, "--resume_from_checkpoint", "latest"))
     whole, resumed = final_weights(tmp_path / "whole", 12), final_weights(out, 12)
     (m_whole, _), (m_resumed, _) = read(tmp_path / "whole"), read(out)
     assert [m["step"] for m in m_resumed] == list(range(1, 13)), "no gap, no repeat"
