@@ -129,24 +129,24 @@ class Server:
         self.log.close()
 
     def kill(self):
-        self.proc.kill()
-        self.proc.wait(timeout=10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
 
 
 def hand_over(server: "Server", model_dir, api_key: str | None = None) -> "Server":
     """A rollout server that tests share, handed to the next one as a new process would be: the
     model's own weights live at version 0 (pushed back, forced, if an earlier test moved them), and
-    its fingerprint and version checked. A test that kills its server starts its own instead."""
+    its fingerprint and version checked."""
     from tandem.rollout.client import RolloutClient
     from tandem.rollout.weights import fingerprint
     from transformers import AutoModelForCausalLM
 
-    assert server.proc.poll() is None, f"the shared server exited:\n{server.output()}"
     weights = list(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
     fresh = {"version": 0, "fingerprint": fingerprint(weights)}
     client = RolloutClient([server.url], api_key=api_key, server_timeout=60)
     try:
-        if client.fingerprints()[0] != fresh:
+        if client.fingerprints()[0] != fresh:  # adapters pushed leave keys of their own too
             client.push_weights(weights, version=0, force=True)
         assert client.fingerprints()[0] == fresh, "the shared server does not hold the model's weights at version 0"
     finally:
@@ -154,18 +154,56 @@ def hand_over(server: "Server", model_dir, api_key: str | None = None) -> "Serve
     return server
 
 
+class Shared:
+    """One `tandem rollout` that tests take in turn, where each start costs 3 s (20-45 s with
+    vLLM). `handed_over()` gives it as a new process would be (see hand_over). A test may kill
+    it, or put a new process of the same options in its place (`shared.server = ...`): a server
+    found dead at hand-over is started again on its port."""
+
+    def __init__(self, model, *options):
+        self.model, self.options = model, options
+        self.api_key = options[options.index("--api-key") + 1] if "--api-key" in options else None
+        self.server = Server(model, *options)
+
+    def handed_over(self, fresh: bool = False) -> "Server":
+        """The server as a new process would be; a new process indeed with `fresh` (vLLM merges
+        adapters only into the weights it started with, not into any pushed since)."""
+        if fresh:
+            self.server.kill()
+        if self.server.proc.poll() is not None:
+            self.server.stop()
+            self.server = Server(self.model, *self.options, port=self.server.port)
+        return hand_over(self.server, self.model, self.api_key)
+
+    def stop(self):
+        self.server.stop()
+
+
 @pytest.fixture(scope="session")
 def shared_server(tiny_model):
-    """One `tandem rollout` of the tiny model, default options, for every test that does not kill it."""
-    s = Server(tiny_model)
-    yield s
-    s.stop()
+    """The tiny model's server, default options, for every test that does not kill its own."""
+    shared = Shared(tiny_model)
+    yield shared
+    shared.stop()
 
 
 @pytest.fixture
-def server(shared_server, tiny_model) -> "Server":
-    """The shared tiny-model server, handed over fresh (see hand_over)."""
-    return hand_over(shared_server, tiny_model)
+def server(shared_server) -> "Server":
+    return shared_server.handed_over()
+
+
+# The options of the engine suite's servers (test_server, test_engines): limits small enough to test.
+KEY = "test-key"
+LIMITS = ("--api-key", KEY, "--max-request-bytes", "200000", "--max-batch-tokens", "4096")
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(model64):
+    """The vLLM suite's server (model64, LIMITS): started once for the engine conformance suite,
+    the training tests and their kills."""
+    shared = Shared(model64, *LIMITS, *VLLM_SERVER)
+    yield shared
+    shared.stop()
 
 
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, limit: float = 180) -> None:

@@ -8,7 +8,9 @@ the background, and the page's whole process group is killed when the script end
 change before a script runs, and no more: each port 80xx becomes a free port, and a line that
 `.ci/run` runs itself (`./setup.sh`, the test command) is checked to be in `.ci/run` and left out.
 
-Blocks that need the vLLM environment (`.venv-vllm/...`) run in `test_vllm_blocks`. A block
+Blocks that need the vLLM environment (`.venv-vllm/...`) run in `test_vllm_blocks`, which gives
+them the demo's data alone, as `tandem demo` writes it: they train a model of their own, and the
+vLLM suite need not run the 400-step demo again. A block
 that cannot run on this machine sits right after a `<!-- not run: REASON -->` comment; the
 reason is required.
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, needs_vllm
+from tandem.demo import addition_rows, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -114,10 +117,11 @@ def test_page_commands_run(page, demo, tmp_path):
 
 
 @pytest.mark.parametrize("env", [pytest.param("vllm", marks=needs_vllm)])
-def test_vllm_blocks(demo, tmp_path, env):
+def test_vllm_blocks(tmp_path, env):
     blocks = [b for page in PAGES for b in _blocks(page) if VLLM_ENV in b]
     assert blocks, "the docs show no vLLM command"
-    _run_page(blocks, _folder(tmp_path / "page", demo))
+    data_only = write_jsonl(addition_rows(0), tmp_path / "demo" / "addition.jsonl").parent  # as `tandem demo` (seed 0) writes it
+    _run_page(blocks, _folder(tmp_path / "page", data_only))
 
 
 def test_every_page_is_linked_and_every_link_resolves():

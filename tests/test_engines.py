@@ -12,24 +12,33 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import VLLM_SERVER, Server, needs_vllm
+from conftest import KEY, LIMITS, Server, Shared, needs_vllm
 from tandem.rollout.client import RolloutClient
 from tandem.rollout.types import Rollout, SamplingParams
 from tandem.rollout.weights import fingerprint
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
-from test_server import KEY, PROMPT, call, gen_body
+from test_server import PROMPT, call, gen_body
 
 PROMPTS = [PROMPT, [5, 6, 7], [1, 100, 101, 102, 103]]
-ENGINES = {"transformers": (), "vllm": VLLM_SERVER}
-LIMITS = ("--api-key", KEY, "--max-request-bytes", "200000", "--max-batch-tokens", "4096")
 
 
 @pytest.fixture(scope="module", params=["transformers", pytest.param("vllm", marks=needs_vllm)])
-def served(request, model64):
-    server = Server(model64, *LIMITS, *ENGINES[request.param])
-    server.engine = request.param
-    yield server
-    server.stop()
+def engine_server(request, model64) -> Shared:
+    """The engine's server: vLLM's is the session's (test_vllm trains against it too)."""
+    if request.param == "vllm":
+        shared = request.getfixturevalue("shared_vllm")
+    else:
+        shared = Shared(model64, *LIMITS)
+        request.addfinalizer(shared.stop)
+    shared.engine = request.param
+    return shared
+
+
+@pytest.fixture
+def served(engine_server) -> Server:
+    server = engine_server.handed_over()
+    server.engine = engine_server.engine
+    return server
 
 
 def client_of(server, **kw) -> RolloutClient:
@@ -180,27 +189,25 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving(
     assert call(served, "POST", "/generate", json=gen_body()).status_code == 200
 
 
-@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=needs_vllm)])
-def test_a_restarted_server_gets_the_last_weights_and_version_again(model64, engine):
-    server = Server(model64, *ENGINES[engine])
-    client = RolloutClient([server.url], server_timeout=240)
+def test_a_restarted_server_gets_the_last_weights_and_version_again(engine_server, served, model64):
+    client = client_of(served)
     try:
         client.wait_until_ready()
         model = perturbed(model64, seed=5)
         client.push_weights(list(model.named_parameters()), 1, force=True)
         params = SamplingParams(max_tokens=8)
         before = client.generate(PROMPTS, params, [1, 2, 3], min_version=1)
-        server.kill()
+        served.kill()
         result = {}
         # a request while the server is down: retried until the new process answers, which the
         # client recognises (a new instance id) and gives the weights it last pushed
         asking = threading.Thread(target=lambda: result.update(out=client.generate(PROMPTS, params, [1, 2, 3], min_version=1)))
         asking.start()
-        server = Server(model64, *ENGINES[engine], port=server.port)
+        served.stop()
+        engine_server.server = Server(model64, *engine_server.options, port=served.port)  # the shared server from now on
         asking.join(timeout=240)
         assert [o.token_ids for o in result["out"]] == [o.token_ids for o in before]
         assert {o.version for o in result["out"]} == {1}
         assert client.fingerprints()[0] == {"version": 1, "fingerprint": fingerprint(model.named_parameters())}
     finally:
         client.close()
-        server.stop()

@@ -11,19 +11,18 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import HAVE_VLLM, Server, cli_here, free_port, run_cli
+from conftest import HAVE_VLLM, KEY, LIMITS, Server, cli_here, free_port, run_cli
 from tandem.rollout.client import RolloutClient, RolloutServerError
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
 from tandem.rollout.weights import fingerprint
 
-KEY = "test-key"
 PROMPT = [1, 120, 118, 104, 117, 13, 54, 46, 55]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    s = Server(tiny_model, "--api-key", KEY, "--max-request-bytes", "200000", "--max-batch-tokens", "4096")
+    s = Server(tiny_model, *LIMITS)
     yield s
     s.stop()
 

@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from conftest import VLLM_SERVER, Server, kill_server_mid_run, needs_vllm, wait_for_step
+from conftest import KEY, VLLM_SERVER, Server, cli_here, kill_server_mid_run, needs_vllm, wait_for_step
 from tandem.cli import DEMO_CONFIG
 from tandem.demo import addition_rows, prepare, write_jsonl
 from test_async import DIGITS, ENV, base_args, command, read, train, weight_gap
@@ -23,15 +23,13 @@ def data(tmp_path_factory):
     return write_jsonl(addition_rows(0), folder / "data.jsonl")
 
 
-@pytest.fixture(scope="module")
-def server(model64):
-    s = Server(model64, *VLLM_SERVER)
-    yield s
-    s.stop()
+@pytest.fixture
+def server(shared_vllm) -> Server:
+    return shared_vllm.handed_over()
 
 
 def served(server, *extra):
-    return ["--rollout_mode", "server", "--rollout_server_urls", server.url, *extra]
+    return ["--rollout_mode", "server", "--rollout_server_urls", server.url, "--rollout_api_key", KEY, *extra]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -87,10 +85,47 @@ def test_the_demo_task_reward_rises_with_a_vllm_server(tmp_path):
     assert last - first >= 0.12, (first, last)
 
 
+def test_lora_against_a_vllm_server_generates_from_the_merged_adapters(model64, data, shared_vllm, tmp_path):
+    server = shared_vllm.handed_over(fresh=True)  # a new process: a full update since start would leave it no base to merge into
+    lora = ["--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_dropout", "0.0", "--verify_weight_sync", "true"]
+    train(1, base_args(model64, data, tmp_path / "run", 16, "--max_steps", "4", *served(server), *lora))
+    metrics, completions = read(tmp_path / "run")
+    assert [m["policy_version"] for m in metrics] == [1, 2, 3, 4]
+    assert {c["policy_version"] for c in completions if c["round"] == 3} == {3}
+    # vLLM serves base + B @ A merged in fp32; the trainer runs the adapter layers: the same
+    # distribution up to rounding, so the behaviour and trainer log-probs agree closely.
+    assert max(m["kl_behav_proximal"] for m in metrics) < 1e-6
+    # After a full fine-tuning run's pushes the server's weights are no longer the base: refused.
+    train(1, base_args(model64, data, tmp_path / "full", 16, "--max_steps", "1", *served(server)))
+    proc = cli_here("train", *base_args(model64, data, tmp_path / "again", 16, "--max_steps", "1", *served(server), *lora))
+    assert proc.returncode == 1 and "serves other base weights" in proc.stderr, proc.stderr[-2000:]
+
+
+# Last in the file: it kills the shared server, which the next test would have to start again.
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_killed_server_stops_the_run_naming_it_and_a_restarted_one_is_resynced(model64, data, tmp_path, mode):
-    server = Server(model64, *VLLM_SERVER)
+def test_a_restarted_server_is_resynced_and_a_killed_one_stops_the_run_naming_it(model64, data, shared_vllm, tmp_path, mode):
+    server = shared_vllm.handed_over()
     asynchronous = ["--async_generate", "true" if mode == "async" else "false"]
+    # restarted: the trainer waits for it (vLLM takes 20-60 s to start), pushes it the weights
+    # and version it lost, and trains on
+    out = tmp_path / "restarted"
+    args = base_args(model64, data, out, 16, "--max_steps", "8", *served(server, *asynchronous), "--rollout_server_timeout", "240",
+                     "--verify_weight_sync", "true")  # fmt: skip
+    trainer = subprocess.Popen(command(1, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_for_step(out, 3, trainer)
+        server.kill()
+        server.stop()
+        time.sleep(2)
+        server = shared_vllm.server = Server(model64, *shared_vllm.options, port=server.port)
+        _, stderr = trainer.communicate(timeout=300)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 0, stderr[-3000:]
+    assert f"rollout server {server.url} restarted: it was unreachable for" in stderr
+    assert [m["step"] for m in read(out)[0]] == list(range(1, 9))
+
     # killed for good: the run stops within rollout_server_timeout, naming the server
     out = tmp_path / "killed"
     trainer = subprocess.Popen(command(1, base_args(model64, data, out, 16, "--max_steps", "100000", *served(server, *asynchronous),
@@ -101,44 +136,3 @@ def test_a_killed_server_stops_the_run_naming_it_and_a_restarted_one_is_resynced
     assert trainer.returncode != 0 and waited < 60
     assert f"rollout server {server.url}" in stderr and "rollout_server_timeout=5.0s" in stderr, stderr[-3000:]
     assert len(engine_processes) >= 2 and not psutil.wait_procs(engine_processes, timeout=30)[1], "vLLM's processes die with the server"
-
-    # restarted: the trainer waits for it (vLLM takes 20-60 s to start), pushes it the weights
-    # and version it lost, and trains on
-    server = Server(model64, *VLLM_SERVER, port=server.port)
-    out = tmp_path / "restarted"
-    args = base_args(model64, data, out, 16, "--max_steps", "8", *served(server, *asynchronous), "--rollout_server_timeout", "240",
-                     "--verify_weight_sync", "true")  # fmt: skip
-    trainer = subprocess.Popen(command(1, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        wait_for_step(out, 3, trainer)
-        server.kill()
-        time.sleep(2)
-        server = Server(model64, *VLLM_SERVER, port=server.port)
-        _, stderr = trainer.communicate(timeout=300)
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-        server.stop()
-    assert trainer.returncode == 0, stderr[-3000:]
-    assert f"rollout server {server.url} restarted: it was unreachable for" in stderr
-    assert [m["step"] for m in read(out)[0]] == list(range(1, 9))
-
-
-def test_lora_against_a_vllm_server_generates_from_the_merged_adapters(model64, data, tmp_path):
-    server = Server(model64, *VLLM_SERVER)  # its own: a full update since start would leave it no base to merge into
-    try:
-        lora = ["--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_dropout", "0.0", "--verify_weight_sync", "true"]
-        train(1, base_args(model64, data, tmp_path / "run", 16, "--max_steps", "4", *served(server), *lora))
-        metrics, completions = read(tmp_path / "run")
-        assert [m["policy_version"] for m in metrics] == [1, 2, 3, 4]
-        assert {c["policy_version"] for c in completions if c["round"] == 3} == {3}
-        # vLLM serves base + B @ A merged in fp32; the trainer runs the adapter layers: the same
-        # distribution up to rounding, so the behaviour and trainer log-probs agree closely.
-        assert max(m["kl_behav_proximal"] for m in metrics) < 1e-6
-        # After a full fine-tuning run's pushes the server's weights are no longer the base: refused.
-        train(1, base_args(model64, data, tmp_path / "full", 16, "--max_steps", "1", *served(server)))
-        proc = subprocess.run(command(1, base_args(model64, data, tmp_path / "again", 16, "--max_steps", "1", *served(server), *lora)),
-                              capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
-    finally:
-        server.stop()
-    assert proc.returncode == 1 and "serves other base weights" in proc.stderr, proc.stderr[-2000:]
