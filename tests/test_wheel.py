@@ -20,14 +20,15 @@ def test_the_demo_runs_from_an_installed_wheel(tmp_path):
     wheel = next(dist.glob("tandem_rl-*.whl"))
 
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir)  # without pip of its own (3 s): this environment's pip installs into it
     python = env_dir / "bin" / "python"
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
     # The dependencies (torch, transformers, ...) come from this environment's site-packages, put
     # on the new one's path as a plain folder: its .pth files, the editable install of tandem
     # among them, are not read, so `tandem` can only come from the wheel.
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    install = subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], capture_output=True, text=True, timeout=300)
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
