@@ -8,6 +8,8 @@ import torch
 from tandem.algo import LOSS_TYPES, Normalisation, group_advantages, importance_weights, policy_loss, token_logprobs
 from tandem.algo.losses import get_reduction
 
+pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
+
 # Two sequences, three token slots; old log-probs 0 so ratio = exp(logprobs).
 # row 0 (A = +1): ratios 1.5, 1.0, 0.5          all three tokens in the loss
 # row 1 (A = -2): ratios 1.1, 0.7, (1.0 masked)  two tokens in the loss

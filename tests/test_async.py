@@ -64,7 +64,7 @@ def read(out):
     return metrics, completions
 
 
-@pytest.mark.parametrize("mode", ["colocate_sync", "colocate_sync_accelerate", "server_sync", "server_async"])
+@pytest.mark.parametrize("mode", ["colocate_sync", "colocate_sync_accelerate", "server_sync", pytest.param("server_async", marks=pytest.mark.quick)])
 def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, data, server, tmp_path, mode):
     extra = ["--max_steps", "4"]
     if not mode.startswith("colocate"):

@@ -6,6 +6,8 @@ from conftest import cli_here, run_cli
 from tandem.cli import build_parser
 from tandem.trainer.config import ConfigError, TrainConfig, config_from_args
 
+pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
+
 BASE = ["train", "--model_name_or_path", "/nonexistent/model", "--dataset_name", "/nonexistent/data.jsonl", "--reward_funcs", "exact_match"]
 
 

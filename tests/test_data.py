@@ -8,6 +8,8 @@ from transformers import AutoTokenizer
 
 from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset, prompt_text
 
+pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
+
 ROWS = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(5)]
 
 

@@ -124,6 +124,7 @@ def test_vllm_blocks(tmp_path, env):
     _run_page(blocks, _folder(tmp_path / "page", data_only))
 
 
+@pytest.mark.quick
 def test_every_page_is_linked_and_every_link_resolves():
     readme = (ROOT / "README.md").read_text()
     for page in PAGES[1:]:

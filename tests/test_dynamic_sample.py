@@ -44,6 +44,7 @@ def first_operand(completion_row) -> int:
     return int(completion_row["prompt"].split("user\n", 1)[1][0])
 
 
+@pytest.mark.quick
 def test_agreeing_groups_are_replaced_and_counted(tiny_model, data, tmp_path):
     train(1, args(tiny_model, data, tmp_path / "off"))
     train(1, args(tiny_model, data, tmp_path / "on", "--dynamic_sample", "true", "--max_resample_times", "8"))

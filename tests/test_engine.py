@@ -11,6 +11,8 @@ from tandem.rollout.sampling import filter_logits, sample
 from tandem.rollout.types import Rollout, SamplingParams
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 
+pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):

@@ -85,6 +85,7 @@ def test_seeded_completions_repeat_and_do_not_depend_on_their_batch(served):
     assert other_seed.token_ids != alone.token_ids
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("transport", ["http", "shm"])
 def test_pushed_weights_generate_what_the_trainer_recomputes(served, model64, transport):
     # Each transport delivers other weights; the fingerprint is of the tensors as sent, and the
@@ -144,6 +145,7 @@ def test_weight_updates_are_atomic_and_versioned(served, model64):
     assert {c["version"] for c in after} == {version} and after != served_before
 
 
+@pytest.mark.quick
 def test_the_version_gate_waits_for_the_update(served, model64):
     client = client_of(served)
     target = client.fingerprints()[0]["version"] + 1

@@ -25,6 +25,7 @@ def evals(out):
     return [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.quick
 def test_pass_at_k_is_the_unbiased_estimator():
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # 1 - C(2,2) / C(4,2)
@@ -53,6 +54,7 @@ def test_eval_during_training_equals_tandem_eval_of_the_checkpoint_in_colocated_
     assert {k: alone[k] for k in strip(local[-1]) if k != "step"} == {k: v for k, v in strip(local[-1]).items() if k != "step"}
 
 
+@pytest.mark.quick
 def test_greedy_eval_in_an_async_run_gives_one_completion_per_prompt(tiny_model, data, server, tmp_path):
     train(1, base_args(tiny_model, data, tmp_path / "run", 32, "--max_steps", "3", "--eval_dataset", data.parent / "held_out.jsonl",
                        "--eval_greedy", "true", "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true"))  # fmt: skip

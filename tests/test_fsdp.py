@@ -225,6 +225,7 @@ def test_killing_the_server_stops_every_sharded_process_with_an_error_naming_it(
     assert not leftovers, f"processes still running: {leftovers}"
 
 
+@pytest.mark.quick
 def test_staged_weights_read_back_bucket_by_bucket_with_the_same_fingerprint(tmp_path):
     g = torch.Generator().manual_seed(0)
     named = [(f"layer.{i}.weight", torch.randn(64, 64, generator=g)) for i in range(5)] + [("a.bias", torch.randn(7, generator=g))]
@@ -253,6 +254,7 @@ use_cpu: true
 """
 
 
+@pytest.mark.quick
 def test_an_accelerate_fsdp_config_file_shards_the_run_as_it_says(ender, data, tmp_path):
     (tmp_path / "fsdp.yaml").write_text(ACCELERATE_FSDP)
     out = tmp_path / "run"
@@ -265,6 +267,7 @@ def test_an_accelerate_fsdp_config_file_shards_the_run_as_it_says(ender, data, t
     assert sorted(p.name for p in (out / "checkpoint-2" / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
+@pytest.mark.quick
 def test_what_tandem_cannot_take_from_an_accelerate_fsdp_config_is_a_config_error():
     # (accelerate itself stops an fsdp_version 1 run on a CPU before tandem starts; on GPUs tandem says it)
     base = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}

@@ -85,6 +85,7 @@ def test_two_processes_with_lora_train_like_one_with_twice_the_batch(tiny_model,
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4  # gradients summed in another order
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mode", ["colocate", "server_async"])
 def test_sigkill_then_resume_with_lora_gives_bitwise_equal_adapters(tiny_model, data, tmp_path, mode, request):
     extra = [*LORA, "--lora_dropout", "0.1", "--beta", "0.05", "--max_steps", "9", "--save_steps", "3"]
@@ -109,6 +110,7 @@ def test_sigkill_then_resume_with_lora_gives_bitwise_equal_adapters(tiny_model, 
     assert [m["loss"] for m in m_resumed] == [m["loss"] for m in m_whole]
 
 
+@pytest.mark.quick
 def test_merge_writes_a_full_model_that_computes_what_base_and_adapters_do(tiny_model, data, tmp_path):
     train(1, base_args(tiny_model, data, tmp_path / "run", 32, *LORA, "--max_steps", "2"))
     proc = cli_here("merge", tmp_path / "run" / "checkpoint-2", tmp_path / "merged")
@@ -204,6 +206,7 @@ def test_a_lora_checkpoint_resumed_without_use_peft_is_refused(tiny_model, data,
     assert proc.returncode == 2 and "holds LoRA adapters: resume it with use_peft true" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.quick
 def test_adapter_updates_are_checked_and_merged_as_base_plus_b_a():
     from tandem.rollout.adapters import check_adapter, check_pairs, merge
 

@@ -11,6 +11,8 @@ from conftest import cli_here
 from tandem.demo import addition_rows, write_jsonl
 from test_async import DIGITS, base_args
 
+pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):

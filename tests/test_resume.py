@@ -23,7 +23,7 @@ def final_weights(out, step):
     return load_file(out / f"checkpoint-{step}" / "model.safetensors")
 
 
-@pytest.mark.parametrize("procs, mode", [(1, "sync"), (1, "async"), (2, "sync"), (2, "async")])
+@pytest.mark.parametrize("procs, mode", [(1, "sync"), pytest.param(1, "async", marks=pytest.mark.quick), (2, "sync"), (2, "async")])
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, server, tmp_path, procs, mode):
     extra = ["--max_steps", "12", "--save_steps", "3", "--rollout_mode", "server", "--rollout_server_urls", server.url,
              "--async_generate", "true" if mode == "async" else "false"]  # fmt: skip

@@ -15,6 +15,7 @@ from tandem.demo import addition_rows, write_jsonl
 from tandem.rewards import close_rewards, combine, load_reward_fn, load_rewards, score
 from tandem.rewards.builtin import accuracy, exact_match, length_penalty, number_format, think_format
 
+pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -40,6 +40,7 @@ def gen_body(**over):
     return body
 
 
+@pytest.mark.quick
 def test_health_info_and_openapi(server):
     health = call(server, "GET", "/health", key=None).json()
     assert health["status"] == "ready" and health["version"] == 0 and len(health["instance_id"]) == 32
@@ -50,6 +51,7 @@ def test_health_info_and_openapi(server):
     assert call(server, "GET", "/openapi.json", key=None).status_code == 401  # only /health answers without the key
 
 
+@pytest.mark.quick
 def test_generate_matches_a_local_engine_with_the_same_seeds(server, tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     local = TransformersEngine(AutoModelForCausalLM.from_pretrained(tiny_model), [tok.eos_token_id], tok.pad_token_id)
@@ -99,6 +101,7 @@ def test_the_vllm_engine_without_vllm_says_how_to_install_it(tiny_model):
     assert "pip install 'tandem-rl[vllm]'" in proc.stderr
 
 
+@pytest.mark.quick
 def test_non_loopback_bind_without_a_key_refuses_to_start(tiny_model):
     proc = run_cli("rollout", "--model", tiny_model, "--host", "0.0.0.0", "--port", str(free_port()), timeout=60)
     assert proc.returncode == 2
@@ -113,6 +116,7 @@ def _train(args, out):
     return metrics, completions
 
 
+@pytest.mark.quick
 def test_server_mode_trains_like_colocated_mode(tiny_model, tmp_path):
     from tandem.demo import addition_rows, write_jsonl
 
@@ -157,6 +161,7 @@ def test_trainer_stops_with_an_error_naming_a_missing_server(tiny_model, tmp_pat
     assert f"rollout server {url} did not answer" in proc.stderr and "rollout_server_timeout=3.0s" in proc.stderr
 
 
+@pytest.mark.quick
 def test_safetensors_stream_and_parse_agree_with_the_library():
     from safetensors.torch import load
 
@@ -190,6 +195,7 @@ def test_a_trainer_leaves_a_same_host_servers_cores_free(monkeypatch):
     assert trainer_threads([here], 1) is None  # the user's own choice stands
 
 
+@pytest.mark.quick
 def test_an_answer_cut_off_midway_is_retried_then_reported_naming_the_server():
     # A fake at the network boundary: a "server" that sends headers and half a chunked body,
     # then closes, as a rollout server killed while answering does.

@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM
 from conftest import Server
 from tandem.rollout.weights import safetensors_stream, sealed_memfd
 
+pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
+
 KEY = "abuse-key"
 PROMPT = [1, 120, 118, 104, 117, 13, 54, 46, 55]
 SHM = Path("/dev/shm")

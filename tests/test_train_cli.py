@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import cli_here
 from tandem.demo import addition_rows, write_jsonl
 
+pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
+
 METRIC_FIELDS = [
     "step", "loss", "grad_norm", "learning_rate", "kl", "entropy",
     "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",

@@ -17,6 +17,8 @@ from tandem.trainer.checkpoint import latest_checkpoint
 from tandem.algo import token_logprobs
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs, length_buckets
 
+pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
+
 
 def test_collate_keeps_each_prompt_once_and_masks_truncated_completions():
     a = Rollout(0, 0, [7, 8, 9], [4, 2], [-1.0, -1.0], "stop", 0)

@@ -52,6 +52,7 @@ def test_two_processes_train_like_one_with_twice_the_batch(model64, data, server
     assert worst < 1e-4, worst
 
 
+@pytest.mark.quick
 def test_async_generation_is_version_exact(model64, data, server, tmp_path):
     args = base_args(model64, data, tmp_path / "run", 16, "--max_steps", "6", *served(server, "--async_generate", "true"),
                      "--max_staleness", "1", "--verify_weight_sync", "true")  # fmt: skip
