@@ -133,6 +133,19 @@ def test_advantages_group_batch_none():
     assert adv.tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("scale", [1e20, 1e38])
+def test_advantages_do_not_depend_on_the_reward_scale(scale):
+    # The pattern above times `scale`: the std is scale * sqrt(1/3) (group) or scale * sqrt(1.5/7)
+    # (batch), so eps = 1e-4 vanishes beside it and the advantages are 0.5 / std * scale, the same
+    # at every scale. In float32 the squared deviations (0.25 * scale^2) overflowed from 1e19 on:
+    # the std became inf and every advantage 0, or garbage near 1e38.
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]) * scale
+    a, b = 0.5 / math.sqrt(1 / 3), 0.5 / math.sqrt(1.5 / 7)
+    assert group_advantages(r, 4, "group")[0].tolist() == pytest.approx([a, -a, -a, a, 0, 0, 0, 0], rel=1e-6)
+    assert group_advantages(r, 4, "batch")[0].tolist() == pytest.approx([b, -b, -b, b, 0, 0, 0, 0], rel=1e-6)
+    assert group_advantages(r, 4, "group")[0].dtype == torch.float32
+
+
 def test_nan_rewards_are_left_out_of_group_statistics():
     # valid [1, 0, 0]: mean 1/3, unbiased std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3)
     adv, _ = group_advantages(torch.tensor([1.0, float("nan"), 0.0, 0.0]), 4, "group")

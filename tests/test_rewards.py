@@ -64,8 +64,10 @@ def test_raising_or_miscounting_functions_fail_naming_the_function(tmp_path):
         "def short(prompts, completions, **kw):\n    return [1.0]\n"
         "def words(prompts, completions, **kw):\n    return ['good'] * len(completions)\n"
         "def infinite(prompts, completions, **kw):\n    return [1.0, float('-inf')]\n"
+        "def huge(prompts, completions, **kw):\n    return [1e39, 0.0]\n"  # finite in float64, inf in float32
     )
-    cases = [("boom", "raised KeyError"), ("short", "list of 2 floats"), ("words", "returned 'good'"), ("infinite", "returned -inf for completion 1; rewards must be finite")]
+    cases = [("boom", "raised KeyError"), ("short", "list of 2 floats"), ("words", "returned 'good'"), ("infinite", "returned -inf for completion 1; rewards must be finite"),
+             ("huge", "returned 1e[+]39 for completion 0; rewards must be finite in float32")]  # fmt: skip
     for name, message in cases:
         rewards = load_rewards([f"{f}:{name}"], None)
         with pytest.raises((RuntimeError, ValueError), match=f"{name}'.*{message}"):

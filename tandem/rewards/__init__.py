@@ -20,6 +20,7 @@ from tandem.rewards.workers import PooledReward, WorkerPool
 
 RewardFn = Callable[..., list]
 ON_TIMEOUT = ("error", "none")
+FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are trained in float32
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,11 @@ def _column(reward: NamedReward, values, n: int) -> list[float]:
                 raise ValueError(f"reward function {reward.name!r} returned {v!r} for completion {i}; expected a float or None") from None
         if math.isinf(v):
             raise ValueError(f"reward function {reward.name!r} returned {v} for completion {i}; rewards must be finite (None or NaN means no opinion)")
+        if abs(v) > FLOAT32_MAX:  # would become inf in the float32 table below
+            raise ValueError(
+                f"reward function {reward.name!r} returned {v:g} for completion {i}; rewards must be finite in float32, the "
+                f"precision they are trained in (|reward| <= {FLOAT32_MAX:.4g}): scale the function's rewards down"
+            )
         column.append(float(v))
     return column
 
