@@ -34,6 +34,22 @@ def test_collate_keeps_each_prompt_once_and_masks_truncated_completions():
     assert collate([a, b, a2], 0, "cpu", mask_truncated=False).completion_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
 
 
+def test_a_completion_the_engine_ended_on_an_error_is_never_trained(tiny_model):
+    # An aborted completion is an unfinished text: no loss tokens whatever mask_truncated says,
+    # and no reward (NaN), so its group's statistics leave it out and its advantage is 0.
+    from transformers import AutoTokenizer
+
+    from tandem.rewards import load_rewards
+    from tandem.trainer.producer import PromptTable, score_rollouts
+
+    done = Rollout(0, 0, [7, 8], [54, 46], [-1.0, -1.0], "stop", 0)
+    aborted = Rollout(0, 0, [7, 8], [54, 46, 55], [-1.0] * 3, "error", 0)
+    assert collate([done, aborted], 0, "cpu", mask_truncated=False).completion_mask.tolist() == [[1, 1, 0], [0, 0, 0]]
+    table = PromptTable(prompts=["p"], prompt_ids=[[7, 8]], columns={}, conversational=[False])
+    scores, _ = score_rollouts(table, AutoTokenizer.from_pretrained(tiny_model), load_rewards(["length_penalty"], None), 8, [done, aborted])
+    assert not torch.isnan(scores[0]).any() and torch.isnan(scores[1]).all()
+
+
 def _tokens_run(lengths, groups):
     return sum(len(g) * max(lengths[i] for i in g) for g in groups)
 

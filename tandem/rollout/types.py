@@ -66,3 +66,14 @@ class Rollout:
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    @property
+    def failed(self) -> bool:
+        """The engine ended it on an error (a vLLM abort): an unfinished text, never trained as
+        a finished one. It gets no reward (NaN, left out of its group's statistics, advantage 0)
+        and no loss tokens."""
+        return self.finish_reason == "error"
+
+    def in_loss(self, mask_truncated: bool) -> bool:
+        """Whether its tokens enter the loss: not failed, and not truncated when those are masked."""
+        return not (self.failed or (mask_truncated and self.truncated))

@@ -102,8 +102,7 @@ def collate(
         completion[i, : len(r.completion_ids)] = torch.tensor(r.completion_ids, dtype=torch.long)
         attention[i, : len(r.completion_ids)] = 1
     loss_mask = attention.clone()
-    if mask_truncated:
-        loss_mask[torch.tensor([r.truncated for r in rollouts])] = 0
+    loss_mask[torch.tensor([not r.in_loss(mask_truncated) for r in rollouts])] = 0
     return MicroBatch(
         prompt_ids=prompt.to(device),
         prompt_mask=prompt_mask.to(device),

@@ -509,7 +509,7 @@ class Trainer:
         for it, order in enumerate(orders):
             for s in range(steps):
                 idx = [i for batch in self._micro_batches(order, s) for i in batch]  # the step's sequences, as trained
-                keep = [r for r in (rollouts[i] for i in idx) if not (cfg.mask_truncated_completions and r.truncated)]
+                keep = [r for r in (rollouts[i] for i in idx) if r.in_loss(cfg.mask_truncated_completions)]
                 counts[it, s] = sum(len(r.completion_ids) for r in keep)
         if self.world > 1:
             counts = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").cpu()

@@ -235,6 +235,7 @@ def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.N
         max_completion_length=max_tokens,
         **columns,
     )
+    scores[[ro.failed for ro in rollouts]] = float("nan")  # an unfinished text earns nothing: see Rollout.failed
     return scores, completions
 
 
