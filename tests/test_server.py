@@ -234,6 +234,30 @@ def shifted_weights(tiny_model, shift: float) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach() + shift) for n, p in AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters()]
 
 
+def test_a_weight_chunk_whose_connection_broke_is_sent_again_whole(server, tiny_model, monkeypatch):
+    # A fault at the network boundary: the first chunk's request streams its whole body, then its
+    # connection breaks (a reset, a proxy timeout), as requests reports it. The retry must send
+    # the chunk's bytes again; it used to send the declared length and no bytes (a 408 at last).
+    session_request, broken = requests.Session.request, []
+
+    def request(self, method, url, **kw):
+        if method == "PUT" and url.endswith("/chunk") and not broken:
+            broken.append(sum(len(piece) for piece in kw["data"]))  # the bytes go out, no answer comes
+            raise requests.ConnectionError("Connection reset by peer")
+        return session_request(self, method, url, **kw)
+
+    monkeypatch.setattr(requests.Session, "request", request)
+    client = RolloutClient([server.url], api_key=KEY, server_timeout=30, transport="http", weight_bucket_bytes=20_000)
+    try:
+        version = client.fingerprints()[0]["version"] + 1
+        weights = shifted_weights(tiny_model, 1e-3)
+        assert client.push_weights(weights, version=version) == [version]
+        assert client.fingerprints() == [{"version": version, "fingerprint": fingerprint(weights)}]
+    finally:
+        client.close()
+    assert broken and broken[0] > 0
+
+
 def test_a_push_whose_first_request_reaches_a_restarted_server_gives_it_the_weights(tiny_model):
     server = Server(tiny_model)
     client = RolloutClient([server.url], server_timeout=30)

@@ -248,7 +248,7 @@ class RolloutClient:
                     finally:
                         os.close(fd)
                 else:
-                    self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", instance, data=_Body(*safetensors_stream(bucket)),
+                    self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", instance, data=_Body(bucket),
                                headers={"Content-Type": "application/octet-stream"})  # fmt: skip
             got = self._call("POST", url, f"/weights/{uid}/commit", "a weight commit", instance)["version"]
             if got != version:
@@ -272,16 +272,18 @@ class RolloutClient:
 
 
 class _Body:
-    """A streamed request body of known length: requests sends Content-Length, then the pieces."""
+    """Tensors as a streamed safetensors body of known length: requests sends Content-Length, then
+    the pieces. Each iteration streams them anew, so a retried request sends every byte again."""
 
-    def __init__(self, length: int, pieces):
-        self.length, self.pieces = length, pieces
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.length = safetensors_stream(tensors)[0]
 
     def __len__(self) -> int:
         return self.length
 
     def __iter__(self):
-        return iter(self.pieces)
+        return safetensors_stream(self.tensors)[1]
 
 
 def _error_text(r: requests.Response) -> str:
