@@ -39,13 +39,17 @@ def data(tmp_path_factory):
     return write_jsonl(addition_rows(0), folder / "addition.jsonl")
 
 
-def _train(tiny_model, data, out, *extra):
-    proc = cli_here(
+def _run(tiny_model, data, out, *extra):
+    return cli_here(
         "train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", out,
         "--reward_funcs", "exact_match", f"{data.parent / 'digits.py'}:digit_fraction", "--reward_weights", "1.0", "0.5",
         "--num_generations", "4", "--per_device_train_batch_size", "16", "--max_completion_length", "6",
         "--learning_rate", "1e-2", "--disable_tqdm", "true", *extra,
     )  # fmt: skip
+
+
+def _train(tiny_model, data, out, *extra):
+    proc = _run(tiny_model, data, out, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -74,6 +78,22 @@ def test_train_writes_metrics_completions_and_loadable_checkpoints(tiny_model, d
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2, "training should move most weight tensors"
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_a_resume_drops_a_torn_last_log_line_and_says_so(tiny_model, data, tmp_path):
+    # A write cut short (a kill mid-line, a full disk, power loss) leaves a last line that is not
+    # JSON; every resume used to stop on it with a JSONDecodeError.
+    out = tmp_path / "run"
+    first = _train(tiny_model, data, out, "--max_steps", "2", "--save_steps", "1")
+    for log in ("metrics.jsonl", "completions.jsonl"):
+        with open(out / log, "a") as fh:
+            fh.write('{"step": 3, "loss": 0.12')
+    proc = _run(tiny_model, data, out, "--max_steps", "2", "--save_steps", "1", "--resume_from_checkpoint", out / "checkpoint-1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{out / 'metrics.jsonl'}: dropped its last line, cut short" in proc.stderr
+    resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in resumed] == [1, 2] and resumed[1]["loss"] == first[1]["loss"]
+    assert all(json.loads(line)["step"] <= 2 for line in (out / "completions.jsonl").read_text().splitlines())
 
 
 def test_kl_iterations_and_other_loss_options_run(tiny_model, data, tmp_path):

@@ -174,9 +174,10 @@ class Trainer:
             if rng_file.exists():
                 checkpoint.set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy's state needs pickle
             if self.is_main:
-                truncate_log(self.out / "metrics.jsonl", self.global_step)
-                truncate_log(self.out / "completions.jsonl", self.global_step)
-                truncate_log(self.out / "eval.jsonl", self.global_step)
+                for log in ("metrics.jsonl", "completions.jsonl", "eval.jsonl"):
+                    torn = truncate_log(self.out / log, self.global_step)
+                    if torn:
+                        print(f"tandem: warning: {torn}", file=sys.stderr, flush=True)
                 print(f"tandem: resumed from {self.resume_dir} at step {self.global_step}, policy version {self.version}", flush=True)
         self._sampler_state = state["sampler"] if state else self.sampler.state_dict()  # after the last trained round
         self.producer.start(state["round"] if state else 0, ready)

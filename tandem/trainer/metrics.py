@@ -35,14 +35,30 @@ class JsonlWriter:
         self.fh.close()
 
 
-def truncate_log(path: Path, step: int) -> None:
-    """Drop lines logged after `step` by a run that died after its last checkpoint."""
+def truncate_log(path: Path, step: int) -> str | None:
+    """Drop lines logged after `step` by a run that died after its last checkpoint. A last line
+    that is not JSON, a write cut short (a kill, a full disk, power loss, NFS), is dropped too:
+    returns a line saying so, else None. Damage before the last line is an error naming it."""
     if not path.exists():
-        return
-    lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        return None
+    lines, kept, torn = path.read_text().splitlines(), [], None
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}, line {i + 1}, is not JSON ({line[:80]!r}): the log is damaged before its last line; "
+                                 "remove the damaged lines to resume") from None  # fmt: skip
+            torn = f"{path}: dropped its last line, cut short ({len(line)} characters: {line[:60]!r})"
+            continue
+        if record["step"] <= step:
+            kept.append(line)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
+    tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
+    return torn
 
 
 def peak_memory_gb() -> float:
