@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from safetensors.torch import load_file
 
-from conftest import Server, kill_server_mid_run, restart_server_mid_run, train, wait_for_step
+from conftest import Server, cli_here, kill_server_mid_run, restart_server_mid_run, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from test_async import DIGITS, ENV, base_args, command, read
 
@@ -48,6 +48,9 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, serve
     assert [m["step"] for m in m_resumed] == list(range(1, 13)), "no gap, no repeat"
     assert [m["reward"] for m in m_resumed] == [m["reward"] for m in m_whole]
     if procs == 2:
+        # On one process the checkpoint's per-rank RNG states and rounds ahead would not fit: refused, naming both.
+        refused = cli_here("train", *base_args(tiny_model, data, out, 32, *extra, "--resume_from_checkpoint", "latest"))
+        assert refused.returncode == 2 and "was written by 2 processes, this run has 1" in refused.stderr, refused.stderr[-2000:]
         # Two ranks' requests reach the server at varying moments and are batched differently
         # from run to run, which moves the last bits of the behaviour log-probs; in server mode
         # those enter the loss through the importance weights. Two uninterrupted runs differ as

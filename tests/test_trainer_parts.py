@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,6 +162,50 @@ def test_a_failed_save_leaves_latest_on_the_previous_checkpoint(tiny_model, tmp_
         _save(tmp_path, 2, model, _FailingTokenizer())
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
     assert not (tmp_path / "checkpoint-2").exists()
+
+
+def test_a_save_cut_while_it_replaces_the_checkpoint_latest_names_leaves_that_checkpoint_whole(tiny_model, tmp_path, monkeypatch):
+    # A resumed run saves checkpoint-2 again while `latest` names the first run's checkpoint-2.
+    # The save dies between moving the old folder out and the new one in (a fault injected at
+    # that rename): the old copy must still be what `latest` gives. It used to be deleted first.
+    from transformers import AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    _save(tmp_path, 2, model, tok)
+    first = (tmp_path / "checkpoint-2" / "model.safetensors").read_bytes()
+    real_replace = os.replace
+
+    def dies_at_the_new_folder(src, dst):
+        if Path(src).name.startswith(".tmp-checkpoint"):
+            raise KeyboardInterrupt("killed")  # what a SIGKILL leaves: nothing after this runs
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", dies_at_the_new_folder)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 2, model, tok)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+    assert (tmp_path / "checkpoint-2" / "model.safetensors").read_bytes() == first
+    again = _save(tmp_path, 2, model, tok)  # the next save goes through, and leaves no trash behind
+    assert checkpoint.incomplete(again) is None and not list(tmp_path.glob(".trash-*"))
+
+
+def test_a_checkpoint_with_a_file_missing_or_cut_short_is_refused_naming_it(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    ckpt = _save(tmp_path, 1, model, tok)
+    (ckpt / "trainer_state.json").write_text("{}")  # resolve() checks for it; the marker lists what else was written
+    assert checkpoint.resolve(str(ckpt), tmp_path) == ckpt  # whole: the marker names what was written
+    (ckpt / "tokenizer_config.json").unlink()  # half deleted (the RNG file, a shard: the same)
+    with pytest.raises(FileNotFoundError, match="tokenizer_config.json is missing"):
+        checkpoint.resolve(str(ckpt), tmp_path)
+    assert latest_checkpoint(tmp_path) is None
+    with open(ckpt / "model.safetensors", "r+b") as fh:
+        fh.truncate(100)
+    assert "model.safetensors has 100 bytes" in checkpoint.incomplete(ckpt)
 
 
 def test_killing_a_process_mid_save_never_breaks_latest(tiny_model, tmp_path):

@@ -5,13 +5,16 @@ AutoModelForCausalLM.from_pretrained; with use_peft, the adapters in PEFT's form
 PeftModel.from_pretrained loads), config.yaml, trainer_state.json (step, policy version,
 sampler position, next round), optimizer.pt and scheduler.pt, and per rank rng_state_{rank}.pt and
 rounds_{rank}.json (rounds generated ahead of training in async mode). Everything is written into
-a hidden temporary folder, fsynced, and renamed into place; only then does `latest` move.
+a hidden temporary folder, the marker checkpoint_complete.json last (every file and its size),
+fsynced with its folders, and renamed into place; only then does `latest` move. Resume takes
+only a checkpoint whose marker's files are all there, whole.
 
 A sharded run (fsdp) writes no model weights and no optimizer.pt: every rank writes its shards of
 both into sharded/ (torch.distributed.checkpoint), beside the model's config.json; `tandem export`
 turns that into an HF model.
 """
 
+import json
 import os
 import random
 import re
@@ -40,11 +43,25 @@ def start(output_dir: str | Path, step: int) -> Path:
     return tmp
 
 
+MARKER = "checkpoint_complete.json"  # written last: the files of a whole checkpoint and their sizes
+
+
+def _fsync_dir(path: Path) -> None:
+    """A rename or a new file is durable only once its folder is fsynced (power loss, not SIGKILL)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(path: Path) -> None:
     for f in path.rglob("*"):
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+    for d in [path, *(d for d in path.rglob("*") if d.is_dir())]:
+        _fsync_dir(d)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -54,41 +71,79 @@ def _atomic_write_text(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _trash(path: Path) -> Path:
+    return path.with_name(f".trash-{path.name}")
+
+
+def incomplete(path: Path) -> str | None:
+    """Why the checkpoint folder `path` cannot be resumed from, or None when it is whole: its
+    marker names every file it was written with, and each must be there with its size."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"it has no {MARKER}: its save was cut short (or it is not a tandem checkpoint)"
+    for name, size in json.loads(marker.read_text())["files"].items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    return None
 
 
 def finish(output_dir: str | Path, step: int, save_total_limit: int | None = None) -> Path:
-    """fsync the staging folder, rename it to checkpoint-{step}, move `latest`, prune old ones."""
+    """Seal the staging folder (the marker, then fsync), put it in place as checkpoint-{step},
+    move `latest`, prune old ones. A checkpoint-{step} already there (a resumed run saving the
+    step again) goes to a trash folder first and is deleted last: at every moment `latest`
+    names a whole checkpoint, or one whose previous copy resolve() puts back from the trash."""
     output_dir = Path(output_dir)
     tmp, final = staging_dir(output_dir, step), output_dir / f"checkpoint-{step}"
+    files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+    _atomic_write_text(tmp / MARKER, json.dumps({"step": step, "files": files}, indent=1))
     _fsync_tree(tmp)
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(_trash(final), ignore_errors=True)
+        os.replace(final, _trash(final))
+        _fsync_dir(output_dir)
     os.replace(tmp, final)
+    _fsync_dir(output_dir)
     _atomic_write_text(output_dir / LATEST, final.name + "\n")
+    for trash in output_dir.glob(".trash-checkpoint-*"):  # this save's, or one a kill left behind
+        if incomplete(output_dir / trash.name.removeprefix(".trash-")) is None:
+            shutil.rmtree(trash, ignore_errors=True)
     if save_total_limit:
         done = sorted((int(m.group(1)), p) for p in output_dir.iterdir() if (m := _NAME.match(p.name)))
         for _, old in done[:-save_total_limit]:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+            if old != final:  # renamed first: a kill mid-delete leaves no half checkpoint under its name
+                os.replace(old, _trash(old))
+                shutil.rmtree(_trash(old), ignore_errors=True)
     return final
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The checkpoint `latest` names, or None; a folder never renamed into place is never returned."""
+    """The checkpoint `latest` names if it is whole, or None. A save cut between its two renames
+    left the previous copy of that checkpoint in its trash folder, whole: it is put back."""
     pointer = Path(output_dir) / LATEST
     if not pointer.is_file():
         return None
     path = Path(output_dir) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    if not path.exists() and _trash(path).is_dir() and incomplete(_trash(path)) is None:
+        os.replace(_trash(path), path)
+    return path if path.is_dir() and incomplete(path) is None else None
 
 
 def resolve(spec: str, output_dir: str | Path) -> Path:
-    """`latest` (in output_dir) or a checkpoint folder; a clear error when there is none."""
+    """`latest` (in output_dir) or a checkpoint folder, whole; a clear error when there is none."""
     path = latest_checkpoint(output_dir) if spec == "latest" else Path(spec)
     if path is None:
-        raise FileNotFoundError(f"resume_from_checkpoint=latest: {output_dir} has no complete checkpoint (no '{LATEST}' file)")
+        raise FileNotFoundError(f"resume_from_checkpoint=latest: {output_dir} has no complete checkpoint (no '{LATEST}' file, or it names a broken one)")
     if not (path / "trainer_state.json").is_file():
         raise FileNotFoundError(f"resume_from_checkpoint={spec}: {path} is not a tandem checkpoint (no trainer_state.json)")
+    why = incomplete(path)
+    if why is not None:
+        raise FileNotFoundError(f"resume_from_checkpoint={spec}: {path} is not a complete checkpoint: {why}. Resume from another one")
     return path
 
 
@@ -100,18 +155,26 @@ def check_resume(path: Path, state: dict, world: int, sharded: bool) -> None:
     if sharded and not state.get("sharded", False):
         raise ConfigError(f"resume_from_checkpoint: {path} was written without fsdp; resume it without fsdp, or start a sharded run from its model (--model_name_or_path {path})")
     saved = state.get("world_size", world)
-    if sharded and saved != world:
+    if saved != world:  # each rank's RNG state and rounds generated ahead are its own
+        new_run = f"`tandem export {path} OUT` and start a new run from OUT" if sharded else f"start a new run from its model (--model_name_or_path {path})"
         raise ConfigError(
             f"resume_from_checkpoint: {path} was written by {saved} processes, this run has {world}; resume on {saved} "
-            f"(torchrun --nproc_per_node {saved}), or write it as a model with `tandem export {path} OUT` and start a new run from OUT"
+            f"(torchrun --nproc_per_node {saved}), or {new_run}"
         )
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator a step draws from: torch's CPU one, CUDA's of every device in use (LoRA
+    dropout on a GPU draws there), numpy's and python's."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
