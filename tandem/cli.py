@@ -109,7 +109,8 @@ def _demo(args: argparse.Namespace) -> int:
     model_dir, data = prepare(out, seed=args.seed)
     print(f"demo: tiny model after its supervised warm-up in {model_dir}, {data.name} written ({time.perf_counter() - t0:.0f}s)")
     values = load_yaml(args.config)
-    values.update(model_name_or_path=str(model_dir), dataset_name=str(data), output_dir=str(out / "run"), seed=args.seed)
+    # The demo's run folder is its own: a demo run again starts afresh there.
+    values.update(model_name_or_path=str(model_dir), dataset_name=str(data), output_dir=str(out / "run"), seed=args.seed, overwrite_output_dir=True)
     if args.max_steps:
         values["max_steps"] = args.max_steps
     config = TrainConfig(**values)

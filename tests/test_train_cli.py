@@ -96,6 +96,28 @@ def test_a_resume_drops_a_torn_last_log_line_and_says_so(tiny_model, data, tmp_p
     assert all(json.loads(line)["step"] <= 2 for line in (out / "completions.jsonl").read_text().splitlines())
 
 
+def test_a_second_run_into_a_run_folder_is_refused_unless_it_resumes_or_overwrites(tiny_model, data, tmp_path):
+    out = tmp_path / "run"
+    first = _train(tiny_model, data, out, "--max_steps", "2", "--save_steps", "1")
+    before = (out / "metrics.jsonl").read_text()
+    # Appending would log steps 1, 2, 1, 2 and replace the first run's checkpoints.
+    proc = _run(tiny_model, data, out, "--max_steps", "2", "--learning_rate", "5e-3")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"output_dir={out} holds a run (checkpoint-1, checkpoint-2, completions.jsonl, latest, ...)" in proc.stderr
+    assert "--resume_from_checkpoint latest" in proc.stderr and "--overwrite_output_dir true" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+    again = _train(tiny_model, data, out, "--max_steps", "1", "--learning_rate", "5e-3", "--overwrite_output_dir", "true")
+    assert [m["step"] for m in again] == [1] and not (out / "checkpoint-2").exists()
+    assert again[0]["loss"] == first[0]["loss"]  # step 1 of the same model and seed: a fresh start, not the old weights
+    # Resuming (the run's own checkpoint) is the way to go on: a changed learning rate is listed,
+    # a changed group size refused, naming the field (the checkpoint's rounds hold groups of 4).
+    resumed = _run(tiny_model, data, out, "--max_steps", "2", "--learning_rate", "2e-3", "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "with changed options: max_steps: 1 -> 2; learning_rate: 0.005 -> 0.002" in resumed.stdout
+    refused = _run(tiny_model, data, out, "--max_steps", "3", "--num_generations", "8", "--resume_from_checkpoint", "latest")
+    assert refused.returncode == 2 and "num_generations: 4 in the checkpoint, 8 now" in refused.stderr, refused.stderr[-2000:]
+
+
 def test_kl_iterations_and_other_loss_options_run(tiny_model, data, tmp_path):
     metrics = _train(
         tiny_model, data, tmp_path / "run", "--max_steps", "4", "--save_steps", "0",

@@ -147,6 +147,36 @@ def resolve(spec: str, output_dir: str | Path) -> Path:
     return path
 
 
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", "eval.jsonl", LATEST, "tandem")  # "tandem": TensorBoard's events
+
+
+def run_in(output_dir: str | Path) -> list[str]:
+    """What in output_dir was written by a run: its logs, `latest`, its checkpoints."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    return sorted(p.name for p in output_dir.iterdir() if p.name in RUN_FILES or _NAME.match(p.name))
+
+
+def check_fresh(output_dir: str | Path, overwrite: bool, is_main: bool) -> None:
+    """A run that does not resume starts in an output_dir holding no other run, so the two never
+    mix (a log counting 1, 2, 3, 1, 2, ..., checkpoints replaced): refused unless `overwrite`,
+    which deletes the other run's files (rank 0 does)."""
+    found = run_in(output_dir)
+    if not found:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"output_dir={output_dir} holds a run ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}): resume it with "
+            "--resume_from_checkpoint latest, start afresh there with --overwrite_output_dir true (its logs and checkpoints are "
+            "deleted), or choose another output_dir"
+        )
+    if is_main:
+        for name in found:
+            path = Path(output_dir) / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def check_resume(path: Path, state: dict, world: int, sharded: bool) -> None:
     """A sharded checkpoint resumes sharded, on as many processes as wrote it (each rank's shards,
     RNG state and rounds ahead are its own); a full one resumes unsharded."""

@@ -131,7 +131,8 @@ class TrainConfig:
     # --- logging and checkpoints ---
     save_steps: int = opt(500, "Save a checkpoint every this many steps (at the end of the round that reaches it, and at the end of training); 0 saves only at the end.", "logging and checkpoints")
     save_total_limit: int | None = opt(None, "Keep only the newest this many checkpoints; none keeps all.", "logging and checkpoints")
-    resume_from_checkpoint: str | None = opt(None, "Continue a run exactly: a checkpoint folder, or 'latest' for the newest complete one in output_dir.", "logging and checkpoints")
+    resume_from_checkpoint: str | None = opt(None, "Continue a run exactly: a checkpoint folder, or 'latest' for the newest complete one in output_dir. The options its saved state depends on (model, data, seed, group size, batch shape, loss type) must keep the checkpoint's values; the rest may change and is listed.", "logging and checkpoints")
+    overwrite_output_dir: bool = opt(False, "Start afresh in an output_dir that holds a run: its logs and checkpoints are deleted first. Without it such a run is refused, so two runs never mix (resume it instead).", "logging and checkpoints")
     num_completions_to_log: int = opt(4, "Completions written to completions.jsonl each step.", "logging and checkpoints")
     disable_tqdm: bool = opt(False, "Hide the progress bar.", "logging and checkpoints")
     report_to: list[str] = opt(["none"], "Experiment trackers that get every metric of metrics.jsonl at the same steps: tensorboard (in output_dir/tandem), wandb, trackio, or none; the logged completions go to W&B and TensorBoard as tables.", "logging and checkpoints")
@@ -298,6 +299,29 @@ class TrainConfig:
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the fix."""
+
+
+# What a checkpoint's state depends on: its rounds ahead hold groups of num_generations completions
+# of max_completion_length tokens, cut into its micro-batches; its sampler walks its data with its
+# seed; its weights (or adapters) are those of its model. A resume must keep these; the rest (the
+# learning rate, max_steps, logging, servers) may change, and the resume lists what did.
+RESUME_FIXED = (
+    "model_name_or_path", "dataset_name", "dataset_split", "dataset_config", "shuffle_dataset", "seed", "num_generations",
+    "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
+    "loss_type", "async_generate", "max_staleness", "lora_r", "lora_alpha", "lora_target_modules", "lora_modules_to_save",
+)  # fmt: skip (use_peft and fsdp have checks of their own, which say how to resume)
+NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "output_dir")  # where the run goes, not what it is
+
+
+def resume_changes(saved: dict, config: "TrainConfig") -> list[str]:
+    """The options a resume changes, as 'name: old -> new'; a ConfigError naming each fixed one
+    (RESUME_FIXED) that differs from the checkpoint's `saved` config."""
+    now = config.to_dict()
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and k not in NOT_COMPARED and saved[k] != now[k]}
+    fixed = [f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items() if k in RESUME_FIXED]
+    if fixed:
+        raise ConfigError(f"resume_from_checkpoint: the checkpoint's run differs in {'; '.join(fixed)}. Resume with its values, or start a new run from its model")
+    return [f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()]
 
 
 # ---------------------------------------------------------------- loading and the command line

@@ -32,7 +32,7 @@ from tandem.rollout.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint, lora, metrics, sharding
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
-from tandem.trainer.config import TrainConfig
+from tandem.trainer.config import TrainConfig, resume_changes
 from tandem.trainer.eval import evaluate
 from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
 from tandem.trainer.producer import AsyncProducer, Round, SyncProducer, completion_seed
@@ -96,11 +96,23 @@ class Trainer:
         if self.sharding is not None and self.world == 1:
             sharding.init_single_process(self.accelerator.device)
         self.out = Path(config.output_dir)
+        # Resume or a fresh run, decided before anything is written into output_dir. Resuming: the
+        # weights come from the checkpoint, everything else from its state files.
+        self.resume_dir = checkpoint.resolve(config.resume_from_checkpoint, config.output_dir) if config.resume_from_checkpoint else None
+        state = json.loads((self.resume_dir / "trainer_state.json").read_text()) if self.resume_dir else None
+        changes = []
+        if state:
+            checkpoint.check_resume(self.resume_dir, state, self.world, self.sharding is not None)
+            changes = resume_changes(yaml.safe_load((self.resume_dir / "config.yaml").read_text()), config)
+        else:
+            checkpoint.check_fresh(self.out, config.overwrite_output_dir, self.is_main)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
             (self.out / "config.yaml").write_text(resolved)
             print(f"tandem: resolved config ({self.world} process(es))\n{resolved}", flush=True)
+            if changes:
+                print(f"tandem: resuming {self.resume_dir} with changed options: {'; '.join(changes)}", flush=True)
             for warning in config.warnings() + ([bf16_warning] if bf16_warning else []):
                 print(f"tandem: warning: {warning}", file=sys.stderr, flush=True)
         if metrics.log_with(config.report_to):
@@ -117,11 +129,6 @@ class Trainer:
         if self.skipped_prompts and self.is_main:
             print(f"tandem: skipped {self.skipped_prompts} prompts longer than max_prompt_length={config.max_prompt_length}")
 
-        # Resuming: the weights come from the checkpoint, everything else from its state files.
-        self.resume_dir = checkpoint.resolve(config.resume_from_checkpoint, config.output_dir) if config.resume_from_checkpoint else None
-        state = json.loads((self.resume_dir / "trainer_state.json").read_text()) if self.resume_dir else None
-        if state:
-            checkpoint.check_resume(self.resume_dir, state, self.world, self.sharding is not None)
         shard = None if self.sharding is None else lambda m: sharding.shard(m, self.sharding, config.bf16, self.accelerator.device)
         model, self.ref_model, optimizer, self.scheduler = build_policy(config, self.resume_dir, self.accelerator.device, shard)
         # The trainer's forward goes through PrefixSharingLM; the engine, pushes and checkpoints use the LM inside.
