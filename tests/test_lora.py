@@ -14,7 +14,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import Server, cli_here, wait_for_step
+from conftest import cli_here, restart_server_mid_run, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.client import RolloutClient
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
@@ -166,17 +166,28 @@ def _trained_adapter(tiny_model, tmp_path) -> Path:
     return tmp_path / "adapter"
 
 
-def test_a_lora_trainer_refuses_a_server_with_another_base_model(tiny_model, data, tmp_path):
+def test_a_lora_trainer_refuses_a_server_with_another_base_model_at_start_and_after_a_restart(tiny_model, data, server, tmp_path):
     other = tmp_path / "other"
     assert cli_here("init-model", other, "--size", "tiny", "--seed", "1").returncode == 0
-    server = Server(other)
+    args = [*LORA, "--max_steps", "8", "--rollout_mode", "server", "--rollout_server_urls", server.url]
+    # Mid-run: the server comes back as a process serving another model. Its adapters would be
+    # merged into the wrong base (a run once went on with kl_behav_proximal at 4-7); the restarted
+    # process is checked as a new server is, before it gets the adapters again.
+    out = tmp_path / "restarted"
+    trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 32, *args)), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    stderr, restarted = restart_server_mid_run(server, other, trainer, out, 2)
     try:
-        proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "run", 32, *LORA, "--max_steps", "1", "--rollout_mode", "server",
-                                            "--rollout_server_urls", server.url))  # fmt: skip
+        assert trainer.returncode == 1, stderr[-2000:]
+        assert f"rollout server {server.url} serves other base weights" in stderr and f"--model {tiny_model}" in stderr, stderr[-2000:]
+        assert len((out / "metrics.jsonl").read_text().splitlines()) < 8
+        # At start: refused before any generation.
+        proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "run", 32, *args))
     finally:
-        server.stop()
+        restarted.stop()
     assert proc.returncode == 1
     assert f"rollout server {server.url} serves other base weights" in proc.stderr and f"--model {tiny_model}" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize(

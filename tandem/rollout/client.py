@@ -6,7 +6,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Callable, Iterable
 
 import requests
 import torch
@@ -73,6 +73,9 @@ class RolloutClient:
         self._resync_lock = threading.Lock()
         self._push_locks = {url: threading.Lock() for url in self.urls}
         self._committed: dict[str, tuple[str, int]] = {}  # url -> (instance id, version) of its last commit
+        # Called with a restarted server's url before it gets the last weights again: a new process
+        # is checked like a new server (a LoRA run's base weights, for one).
+        self.check_new_process: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -135,6 +138,8 @@ class RolloutClient:
             if health["instance_id"] == self._instances.get(url):
                 return  # another thread already did it
             self._instances[url] = health["instance_id"]  # calls below compare against the new process
+            if self.check_new_process is not None:
+                self.check_new_process(url)
             if self._last_pushed is not None:
                 version, named, adapter = self._last_pushed
                 self._push_one(url, named, version, True, adapter)
@@ -257,7 +262,11 @@ class RolloutClient:
             return got
 
     def fingerprints(self) -> list[dict]:
-        return self._each(lambda url: self._call("GET", url, "/weights/fingerprint", "a fingerprint request"), self.urls)
+        return self._each(self.fingerprint, self.urls)
+
+    def fingerprint(self, url: str) -> dict:
+        """One server's version and fingerprints, asked from the calling thread."""
+        return self._call("GET", url, "/weights/fingerprint", "a fingerprint request")
 
     def _use_shm(self, url: str) -> bool:
         if self.transport != "auto":

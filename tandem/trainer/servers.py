@@ -47,7 +47,11 @@ class Servers:
         (`base` given), a server whose base weights are not ours is refused."""
         served = self.client.fingerprints()
         if base is not None:
-            self._check_base(served, base)
+            expected = dict(zip(self.config.rollout_server_urls, self._served_as(base)))
+            self._check_base(served, expected)
+            # A server that restarts mid-run may come back with another model: checked again
+            # before it gets an adapter (issue 27: a run trained on against another base).
+            self.client.check_new_process = lambda url: self._check_base([self.client.fingerprint(url)], {url: expected[url]})
         mine = fingerprint(policy)
         if any(fp.get(self._key) != mine or fp["version"] != version for fp in served):
             self.engine.push(policy, version=version, force=True, adapter=self.config.use_peft)
@@ -70,10 +74,11 @@ class Servers:
                 hashes[info["dtype"]] = fingerprint(((n, t.to(dtype)) for n, t in in_name_order(named)), ordered=True)
         return [hashes[info["dtype"]] for info in self.infos]
 
-    def _check_base(self, served: list[dict], base: Named) -> None:
-        """LoRA: every server's base weights (its full weights, under an adapter or not) are ours."""
+    def _check_base(self, served: list[dict], expected: dict[str, str]) -> None:
+        """LoRA: each server's base weights (its full weights, under an adapter or not) hash to
+        `expected[url]`, our base's fingerprint in that server's dtype."""
         model = self.config.model_name_or_path
-        for url, fp, mine in zip(self.config.rollout_server_urls, served, self._served_as(base)):
+        for (url, mine), fp in zip(expected.items(), served):
             theirs = fp.get("base_fingerprint") or fp["fingerprint"]
             if theirs != mine:
                 raise RolloutServerError(
