@@ -1,5 +1,6 @@
 """The rollout server as a real process on a loopback port, and the trainer against it."""
 
+import contextlib
 import json
 import os
 import threading
@@ -129,16 +130,25 @@ def test_server_mode_trains_like_colocated_mode(tiny_model, tmp_path):
         "--learning_rate", "1e-2", "--max_steps", "4", "--num_completions_to_log", "16",
     ]  # fmt: skip
     server = Server(tiny_model)
+    remote_args = common + ["--rollout_mode", "server", "--rollout_server_urls", server.url]
     try:
         # Without the off-policy correction (on by default in server mode, where the weights
         # stay within rounding of 1 here) the two modes compute the same bits.
-        remote, remote_completions = _train(
-            common + ["--rollout_mode", "server", "--rollout_server_urls", server.url, "--verify_weight_sync", "true",
-                      "--off_policy_correction", "none"], tmp_path / "server"
-        )  # fmt: skip
+        remote, remote_completions = _train(remote_args + ["--verify_weight_sync", "true", "--off_policy_correction", "none"], tmp_path / "server")
         served = requests.get(server.url + "/weights/fingerprint", timeout=30).json()
+        # What docs/async.md says is reproducible when other clients load the server (their
+        # requests batched with ours): the tokens and rewards always; the losses bitwise without
+        # the correction, and to float rounding with it (the behaviour log-probs move with the batch).
+        corrected = _train(remote_args, tmp_path / "corrected")[0]
+        with _loaded(server):
+            loaded, loaded_completions = _train(remote_args + ["--off_policy_correction", "none"], tmp_path / "loaded")
+            loaded_corrected, loaded_corrected_completions = _train(remote_args, tmp_path / "loaded_corrected")
     finally:
         server.stop()
+    assert [m["loss"] for m in loaded] == [m["loss"] for m in remote]
+    assert loaded_completions == remote_completions and loaded_corrected_completions == remote_completions
+    assert [m["reward"] for m in loaded_corrected] == [m["reward"] for m in corrected]
+    assert [m["loss"] for m in loaded_corrected] == pytest.approx([m["loss"] for m in corrected], abs=1e-5, rel=0)
     local, local_completions = _train(common, tmp_path / "colocate")
     assert [m["loss"] for m in remote] == [m["loss"] for m in local]
     assert [c["completion"] for c in remote_completions] == [c["completion"] for c in local_completions]
@@ -146,6 +156,29 @@ def test_server_mode_trains_like_colocated_mode(tiny_model, tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "server" / "checkpoint-4")
     assert served == {"version": 4, "fingerprint": fingerprint(trained.named_parameters())}
     assert remote[0]["time/weight_sync"] > 0
+
+
+@contextlib.contextmanager
+def _loaded(server):
+    """Another client sending generate requests without pause (other prompts and seeds, the
+    trainer's sampling settings, so the server batches them with the trainer's)."""
+    stop, answers = threading.Event(), []
+
+    def load():
+        seed = 1000
+        while not stop.is_set():
+            body = {"prompts": [PROMPT[:5], PROMPT], "n": 1, "sampling": {"max_tokens": 4}, "seeds": [seed, seed + 1]}
+            answers.append(requests.post(server.url + "/generate", json=body, timeout=60).status_code)
+            seed += 2
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert len(answers) > 10 and set(answers) == {200}, answers
 
 
 def test_trainer_stops_with_an_error_naming_a_missing_server(tiny_model, tmp_path):
