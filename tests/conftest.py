@@ -97,13 +97,13 @@ def free_port() -> int:
 class Server:
     """`tandem rollout` in its own process."""
 
-    def __init__(self, model, *extra, port: int | None = None):
+    def __init__(self, model, *extra, port: int | None = None, env: dict | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads (a full pipe blocks)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "rollout", "--model", str(model), "--port", str(self.port), *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, text=True,
+            stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + (300 if "vllm" in extra else 60)  # vLLM starts in 20-60 s
         while time.monotonic() < deadline:

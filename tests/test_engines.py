@@ -107,6 +107,21 @@ def test_pushed_weights_generate_what_the_trainer_recomputes(served, model64, tr
         assert got == pytest.approx(want, abs=1e-5)
 
 
+def test_behaviour_logprobs_are_the_unfiltered_ones_whatever_the_filters(served, model64):
+    # Behaviour log-probs are log softmax(logits / T) of the sampled token, before the repetition
+    # penalty, top-k, top-p and min-p, as the trainer recomputes them. vLLM's processed log-probs
+    # are those of the filtered distribution: each token's then differs by log(kept mass) < 0,
+    # here about -0.3 to -2 per token (top_k 20 of 259 tokens of a random model).
+    params = SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.3)
+    client = client_of(served)
+    outs = client.generate(PROMPTS, params, [4, 5, 6])
+    client.close()
+    tokenizer = AutoTokenizer.from_pretrained(model64)
+    model = AutoModelForCausalLM.from_pretrained(model64)
+    for got, want in zip([o.logprobs for o in outs], recompute(model, tokenizer.pad_token_id, PROMPTS, outs, 0.7)):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
 def _begin(server, version, num_tensors, force=False):
     r = call(server, "POST", "/weights/begin", json={"version": version, "num_tensors": num_tensors, "force": force})
     assert r.status_code == 200, r.text

@@ -124,6 +124,7 @@ class RolloutService:
         self._base: tuple[dict[str, torch.Tensor], str] | None = None
         self._adapter_fingerprint: str | None = None
         self._stopped = False
+        self._broken: str | None = None  # why the engine's weights are mixed: an update failed midway
         self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0}
         self.instance_id = uuid.uuid4().hex
         self._worker = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
@@ -171,6 +172,8 @@ class RolloutService:
         Waiting for min_version and for the engine holds no thread: a crowd of waiting requests
         cannot stall health checks or weight updates."""
         self._need_engine()
+        if self._broken:
+            raise EngineFailure(self._broken)
         self._check(prompts, n, params, seeds)
         await self._wait_for_version(min_version, version_timeout)
         sequences = [p for p in prompts for _ in range(n)]
@@ -358,14 +361,24 @@ class RolloutService:
         with self._gate.exclusive():  # waits for the generation in flight
             if not staged.force and staged.version != engine.version + 1:
                 raise VersionConflict(f"update to version {staged.version} refused at commit: the server is now at {engine.version}")
-            if staged.adapter:
-                if self._base is None:  # the weights live now are full ones: they become the base
-                    self._base = (engine.base_weights(), engine.fingerprint())
-                engine.load_weights(merge(self._base[0], staged.tensors))
-                self._adapter_fingerprint = fingerprint(staged.tensors.items())
-            else:
-                engine.load_weights(staged.tensors)
-                self._base = self._adapter_fingerprint = None
+            try:
+                if staged.adapter:
+                    if self._base is None:  # the weights live now are full ones: they become the base
+                        self._base = (engine.base_weights(), engine.fingerprint())
+                    engine.load_weights(merge(self._base[0], staged.tensors))
+                    self._adapter_fingerprint = fingerprint(staged.tensors.items())
+                else:
+                    engine.load_weights(staged.tensors)
+                    self._base = self._adapter_fingerprint = None
+            except ValueError:
+                raise  # refused before any weight changed (names, shapes, values)
+            except Exception as exc:  # noqa: BLE001 - the engine holds part of the update: no generation until a whole one loads
+                self._broken = (
+                    f"the weight update to version {staged.version} failed to load ({type(exc).__name__}: {exc}); the engine holds "
+                    "part of it, so it generates nothing until a whole update loads (a trainer's resume pushes one)"
+                )
+                raise EngineFailure(self._broken) from None
+            self._broken = None
             engine.version = staged.version
         with self._cv:
             self._staged.pop(update_id, None)

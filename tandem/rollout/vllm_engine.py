@@ -49,9 +49,10 @@ class VLLMEngine:
             model=model_dir,
             dtype=dtype,
             skip_tokenizer_init=True,
-            # log softmax(logits / temperature) of the sampled token, the quantity the trainer
-            # recomputes (with top-k, top-p, min-p or penalties, of the distribution they leave)
-            logprobs_mode="processed_logprobs",
+            # the sampled token's log-prob before any processing; the worker (tandem_setup)
+            # divides the logits by the request's temperature first: log softmax(logits / T),
+            # what the transformers engine records and the trainer recomputes
+            logprobs_mode="raw_logprobs",
             worker_extension_cls="tandem.rollout.vllm_worker.WeightLoader",
             **options,
         )
@@ -60,6 +61,7 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-vllm-loop", daemon=True)
         self._thread.start()
         self.llm = self._wait(self._start(args), START_TIMEOUT, "vLLM to start")
+        self._wait(self.llm.collective_rpc("tandem_setup"), START_TIMEOUT, "vLLM's workers to set up tandem's log-probs")
         self.max_model_len = int(self.llm.model_config.max_model_len)
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
 
@@ -141,25 +143,31 @@ class VLLMEngine:
         # vLLM's workers are other processes: they map a sealed memfd of ours by its /proc path
         # (passing tensors through collective_rpc would pickle them into lists).
         fd = sealed_memfd(safetensors_stream(weights)[1])
+        self._fingerprint, self._full_update_loaded = None, True  # whatever happens below, not the checkpoint's
         try:
-            self._wait(self._reload(f"/proc/{os.getpid()}/fd/{fd}"), None, "vLLM to load the weights")
+            hashes = self._wait(self._reload(f"/proc/{os.getpid()}/fd/{fd}"), None, "vLLM to load the weights")
         finally:
             os.close(fd)
-        self._fingerprint = fingerprint((name, t.to(self.dtype)) for name, t in weights.items())
-        self._full_update_loaded = True
+        if len(set(hashes)) != 1:
+            raise RuntimeError(f"vLLM's workers received different weights: fingerprints {sorted(h[:12] for h in set(hashes))}")
+        self._fingerprint = hashes[0]
 
-    async def _reload(self, path: str) -> None:
+    async def _reload(self, path: str) -> list[str]:
         # "wait" lets requests in flight finish (the server's gate has drained them already) and
         # clears the prefix cache, whose keys and values the old weights computed.
         await self.llm.pause_generation(mode="wait", clear_cache=True)
         try:
-            await self.llm.collective_rpc("tandem_load_weights", args=(path,))
+            return await self.llm.collective_rpc("tandem_load_weights", args=(path, str(self.dtype).removeprefix("torch.")))
         finally:
             await self.llm.resume_generation()
 
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
+        """The checkpoint's, until an update loads: then what each worker hashed of the tensors it
+        received and vLLM reported loaded (tandem_load_weights)."""
+        if self._fingerprint is None and not self._full_update_loaded:
             self._fingerprint = fingerprint(_checkpoint_tensors(self.model_dir, self.dtype))
+        if self._fingerprint is None:
+            raise RuntimeError("the last weight update did not load; push a whole update again")
         return self._fingerprint
 
     def close(self) -> None:
