@@ -247,6 +247,7 @@ def _log_to_stderr() -> None:
 def main(argv: list[str] | None = None) -> int:
     from tandem.rollout.client import RolloutServerError
     from tandem.trainer.config import ConfigError
+    from tandem.trainer.producer import RoundTimeout
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tandem: config error: {exc}", file=sys.stderr)
         return 2
-    except RolloutServerError as exc:
+    except (RolloutServerError, RoundTimeout) as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 1
 

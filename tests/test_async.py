@@ -2,12 +2,15 @@
 server, `tandem train` alone and under torchrun (gloo)."""
 
 import json
+import os
+import signal
 import subprocess
+import time
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ENV, Server, cli_here, command, kill_server_mid_run, train
+from conftest import ENV, Server, cli_here, command, kill_server_mid_run, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 
 DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
@@ -178,6 +181,29 @@ def test_killing_the_server_stops_every_process_with_an_error_naming_it(tiny_mod
     assert waited < 60
     leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"processes still running: {leftovers}"
+
+
+def test_a_failing_trainer_exits_within_seconds_while_a_stopped_server_holds_its_request(tiny_model, data, server, tmp_path):
+    # The client's request threads were an executor's, which Python joins at exit: a trainer that
+    # failed while a server held its request lived on for rollout_request_timeout (here 120 s).
+    out = tmp_path / "run"
+    args = base_args(tiny_model, data, out, 16, "--max_steps", "1000", "--rollout_mode", "server", "--rollout_server_urls", server.url,
+                     "--async_generate", "true", "--rollout_request_timeout", "120")  # fmt: skip
+    trainer = subprocess.Popen(command(1, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_for_step(out, 2, trainer)
+        os.kill(server.proc.pid, signal.SIGSTOP)  # from now on every request is held
+        time.sleep(1.0)  # the producer's next request is in flight
+        trainer.send_signal(signal.SIGINT)  # the trainer fails: a user's Ctrl-C
+        start = time.monotonic()
+        _, stderr = trainer.communicate(timeout=150)
+        took = time.monotonic() - start
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode != 0 and "KeyboardInterrupt" in stderr, stderr[-2000:]
+    assert took < 15, f"the trainer took {took:.0f}s to exit"
 
 
 def test_async_generate_needs_server_mode(tiny_model, data, tmp_path):

@@ -4,6 +4,7 @@ abuse campaign (issue 16), each against a real `tandem rollout` process on loopb
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import threading
@@ -292,6 +293,30 @@ def test_11_a_body_that_stops_arriving_is_dropped(server):
     answer = raw_request(server, head, b'{"prompts": ', timeout=20)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
     assert time.monotonic() - t0 < 10  # --body-timeout 2
+
+
+def test_11_a_body_sent_whole_while_the_server_was_stopped_is_taken(server, params):
+    # SIGSTOP (a paused VM) after the first half, the rest sent while the server is stopped for
+    # longer than --body-timeout: every byte is there when it resumes, and its timer must not
+    # blame the client (it answered 408).
+    uid = begin(server, len(params))
+    small = dict(sorted(params.items(), key=lambda kv: kv[1].numel())[:4])  # a few KB: the socket buffers hold it while the server is stopped
+    body = save(small)
+    head = f"PUT /weights/{uid}/chunk HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+        s.sendall(head + body[: len(body) // 2])
+        time.sleep(0.3)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(3.0)  # --body-timeout 2
+            s.sendall(body[len(body) // 2 :])
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        answer = b""
+        while not _whole(answer) and (chunk := s.recv(65536)):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["staged"] == len(small)
 
 
 @pytest.mark.parametrize("token", [True, "3", 2.0])

@@ -233,3 +233,41 @@ def test_killing_a_process_mid_save_never_breaks_latest(tiny_model, tmp_path):
     assert latest is not None
     AutoModelForCausalLM.from_pretrained(latest)
     assert int(latest.name.split("-")[1]) >= 3
+
+
+def test_an_async_round_may_take_what_its_timeouts_allow_and_no_more(tiny_model, tmp_path):
+    import time
+
+    from transformers import AutoTokenizer
+
+    from tandem.data import GroupSampler
+    from tandem.rewards import NamedReward
+    from tandem.rollout.engine import TransformersEngine
+    from tandem.rollout.types import SamplingParams
+    from tandem.trainer.config import TrainConfig
+    from tandem.trainer.producer import AsyncProducer, PromptTable, RoundTimeout
+
+    # The bound covers each generate call (retried for rollout_server_timeout after an answer of up
+    # to rollout_request_timeout) and every reward function's timeout, for each dynamic-sampling
+    # draw: here 4 calls x (240 + 600 + 2 x 600) s, and a minute. (It was 240 + 600 + 60 s, and an
+    # async run with slow rewards died where the same sync run went on.)
+    config = TrainConfig(reward_funcs=["exact_match", "accuracy"], dynamic_sample=True, max_resample_times=3)
+    assert config.round_timeout() == 4 * (240 + 600 + 2 * 600) + 60
+    assert TrainConfig(reward_funcs=["exact_match"]).round_timeout() == 240 + 600 + 600 + 60
+    assert TrainConfig(reward_funcs=["exact_match"], reward_timeout=None).round_timeout() is None  # no bound on rewards: none on the round
+
+    # A round past its bound stops the run naming what it waited for (a RoundTimeout, which the
+    # trainer handles as a server failure: the emergency checkpoint), not a bare TimeoutError.
+    def slow(prompts, completions, **kw):
+        time.sleep(1.5)
+        return [0.0] * len(completions)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    engine = TransformersEngine(AutoModelForCausalLM.from_pretrained(tiny_model), [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    table = PromptTable(prompts=["p"], prompt_ids=[[7, 8]], columns={}, conversational=[False])
+    producer = AsyncProducer(table, GroupSampler(1, 1, 0), engine, tokenizer, [NamedReward("slow", slow, 1.0)], SamplingParams(max_tokens=2),
+                             2, 0, round_timeout=0.5, last_round=0)  # fmt: skip
+    producer.start()
+    with pytest.raises(RoundTimeout, match=r"waited 0.5s for round 0 to be generated and scored .* a rollout server or a reward function is stuck"):
+        producer.next_round()
+    producer.close(ok=False)

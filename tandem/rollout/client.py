@@ -5,7 +5,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Iterable
 
 import requests
@@ -19,7 +19,12 @@ RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try 
 
 
 class RolloutServerError(RuntimeError):
-    """A rollout server could not serve a request; the message names it and what was tried."""
+    """A rollout server could not serve a request; the message names it and what was tried.
+    `unreachable`: it did not answer at all (down, or not there), rather than refusing."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class _Restarted(Exception):
@@ -65,8 +70,6 @@ class RolloutClient:
         self.bucket_bytes = weight_bucket_bytes
         self.transport = transport
         self._local = threading.local()  # one requests.Session per thread: Session is not thread-safe
-        # Room for a generate and a weight push to every server at once (async mode does both).
-        self.pool = ThreadPoolExecutor(max_workers=2 * len(self.urls) + 2, thread_name_prefix="tandem-client")
         self._same_host: dict[str, bool] = {}
         self._instances: dict[str, str] = {}  # url -> instance id of the server process we synced
         self._last_pushed: tuple[int, list[tuple[str, torch.Tensor]], bool] | None = None  # version, tensors, adapter
@@ -114,7 +117,8 @@ class RolloutClient:
             if time.monotonic() + delay > deadline:
                 raise RolloutServerError(
                     f"rollout server {url} did not answer {what} ({method} {path}) within rollout_server_timeout="
-                    f"{self.server_timeout}s after {attempts} attempts; last error: {last}. Is `tandem rollout` running there?"
+                    f"{self.server_timeout}s after {attempts} attempts; last error: {last}. Is `tandem rollout` running there?",
+                    unreachable=True,
                 )
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
@@ -161,8 +165,16 @@ class RolloutClient:
                     pending = again
 
     def _each(self, fn, items: Iterable) -> list:
-        """fn over items, concurrently; the first failure is raised with its cause."""
-        return [f.result() for f in [self.pool.submit(fn, item) for item in items]]
+        """fn over items, concurrently, each in a daemon thread of its own; the first failure is
+        raised with its cause. Daemon threads, not a ThreadPoolExecutor: Python joins an executor's
+        threads at exit, so a request in flight (a server that holds it) kept a failing trainer
+        alive for up to rollout_request_timeout, and under torchrun held the other ranks with it."""
+        futures = []
+        for item in items:
+            future: Future = Future()
+            threading.Thread(target=_settle, args=(future, fn, item), name="tandem-client", daemon=True).start()
+            futures.append(future)
+        return [f.result() for f in futures]
 
     # ------------------------------------------------------------------ API
 
@@ -277,7 +289,14 @@ class RolloutClient:
         return self._same_host[url]
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to wait for: a request still in flight ends with its daemon thread."""
+
+
+def _settle(future: Future, fn, item) -> None:
+    try:
+        future.set_result(fn(item))
+    except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by _each
+        future.set_exception(exc)
 
 
 class _Body:

@@ -150,22 +150,25 @@ def resolve(spec: str, output_dir: str | Path) -> Path:
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", "eval.jsonl", LATEST, "tandem")  # "tandem": TensorBoard's events
 
 
-def run_in(output_dir: str | Path) -> list[str]:
-    """What in output_dir was written by a run: its logs, `latest`, its checkpoints."""
+def run_in(output_dir: str | Path) -> tuple[list[str], bool]:
+    """What in output_dir a run wrote (its logs, `latest`, its checkpoints), and whether that run
+    trained: a step logged or a checkpoint. A run that stopped before its first step leaves
+    empty logs (and a tracker's start), which are nobody's results."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
-        return []
-    return sorted(p.name for p in output_dir.iterdir() if p.name in RUN_FILES or _NAME.match(p.name))
+        return [], False
+    found = sorted(p.name for p in output_dir.iterdir() if p.name in RUN_FILES or _NAME.match(p.name))
+    metrics = output_dir / "metrics.jsonl"
+    trained = any(n == LATEST or _NAME.match(n) for n in found) or (metrics.is_file() and metrics.stat().st_size > 0)
+    return found, trained
 
 
 def check_fresh(output_dir: str | Path, overwrite: bool, is_main: bool) -> None:
     """A run that does not resume starts in an output_dir holding no other run, so the two never
-    mix (a log counting 1, 2, 3, 1, 2, ..., checkpoints replaced): refused unless `overwrite`,
-    which deletes the other run's files (rank 0 does)."""
-    found = run_in(output_dir)
-    if not found:
-        return
-    if not overwrite:
+    mix (a log counting 1, 2, 3, 1, 2, ..., checkpoints replaced): refused unless `overwrite`.
+    Rank 0 then deletes the other run's files, as it does those of a run that trained nothing."""
+    found, trained = run_in(output_dir)
+    if trained and not overwrite:
         raise ConfigError(
             f"output_dir={output_dir} holds a run ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}): resume it with "
             "--resume_from_checkpoint latest, start afresh there with --overwrite_output_dir true (its logs and checkpoints are "

@@ -171,6 +171,18 @@ class TrainConfig:
         """Optimizer steps trained on one generation round."""
         return self.num_iterations * self.steps_per_generation // self.gradient_accumulation_steps
 
+    def round_timeout(self) -> float | None:
+        """The longest an async round may take to be generated and scored by its timeouts: each
+        generate call (1, and up to max_resample_times more with dynamic_sample) retried for
+        rollout_server_timeout after an answer that may take rollout_request_timeout, and each
+        reward function's reward_timeout per scoring; a minute of slack. None (no bound) when
+        reward_timeout is none, as in sync mode."""
+        if self.reward_timeout is None:
+            return None
+        calls = 1 + (self.max_resample_times if self.dynamic_sample else 0)
+        per_call = self.rollout_server_timeout + self.rollout_request_timeout + len(self.reward_funcs) * self.reward_timeout
+        return calls * per_call + 60.0
+
     def validate(self) -> None:
         """Every check that needs no model: run before anything loads."""
 

@@ -35,7 +35,7 @@ from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 from tandem.trainer.config import TrainConfig, resume_changes
 from tandem.trainer.eval import evaluate
 from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
-from tandem.trainer.producer import AsyncProducer, Round, SyncProducer, completion_seed
+from tandem.trainer.producer import AsyncProducer, Round, RoundTimeout, SyncProducer, completion_seed
 from tandem.trainer.servers import Servers
 from tandem.trainer.setup import build_policy, load_prompts, resolve_bf16
 
@@ -167,9 +167,8 @@ class Trainer:
         args = (self.table, self.sampler, self.engine, self.tokenizer, self.reward_fns, config.sampling_params(), G, config.seed)
         resample = {"max_resample_times": config.max_resample_times if config.dynamic_sample else None}
         if config.async_generate:
-            round_timeout = config.rollout_server_timeout + config.rollout_request_timeout + 60
             last_round = math.ceil(config.max_steps / config.steps_per_round()) - 1
-            self.producer = AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=round_timeout, last_round=last_round, **resample)
+            self.producer = AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=config.round_timeout(), last_round=last_round, **resample)
         else:
             self.producer = SyncProducer(*args, **resample)
         ready = []
@@ -221,8 +220,8 @@ class Trainer:
                 if _crossed(before, self.global_step, cfg.save_steps):
                     self.save()  # at the end of the round that crossed a multiple of save_steps
                     saved_at = self.global_step
-        except RolloutServerError as exc:
-            raise RolloutServerError(f"{exc}\n{self._emergency_save(saved_at)}") from None
+        except (RolloutServerError, RoundTimeout) as exc:
+            raise type(exc)(f"{exc}\n{self._after_failure(exc, saved_at)}") from None
         finally:
             bar.close()
         if saved_at != self.global_step:
@@ -245,14 +244,23 @@ class Trainer:
             print(f"tandem: step {self.global_step} eval on {len(self.eval_table.prompt_ids)} prompts: {shown}", flush=True)
         self.accelerator.wait_for_everyone()
 
-    def _emergency_save(self, saved_at: int) -> str:
-        """The servers are gone: keep what was trained (we are between rounds) and say how to go on."""
-        resume = f"--resume_from_checkpoint latest --output_dir {self.config.output_dir}"
-        if self.world > 1:
-            return f"tandem: the last checkpoint is at step {saved_at}; restart the server and resume with {resume}"
-        if saved_at != self.global_step:
+    def _after_failure(self, exc: Exception, saved_at: int) -> str:
+        """What a run stopped by a server or by a round that never came keeps, and what to do. We
+        are between rounds: one process saves what it trained since its last checkpoint (with
+        several, the others may be anywhere, so the last periodic checkpoint stands)."""
+        if getattr(exc, "unreachable", False):
+            fix = "restart the rollout server"
+        elif isinstance(exc, RoundTimeout):
+            fix = "find what held the round up"
+        else:
+            fix = "fix what the message above names"
+        kept = "the last checkpoint is"
+        if self.world == 1 and self.global_step > saved_at:
             self.save()
-        return f"tandem: checkpoint at step {self.global_step} saved; restart the rollout server and resume with {resume}"
+            saved_at, kept = self.global_step, "checkpoint saved"
+        if saved_at == 0:
+            return f"tandem: no step was trained; {fix}, then start the run again"
+        return f"tandem: {kept} at step {saved_at}; {fix}, then resume with --resume_from_checkpoint latest --output_dir {self.config.output_dir}"
 
     def _train_round(self, bar) -> dict:
         """One round: generate, advantage, update (one or more optimizer steps), sync, log."""
@@ -606,7 +614,7 @@ class Trainer:
     def close(self, ok: bool = True) -> None:
         """After a failure the process group is left alone: destroying it could wait on a rank
         that is stuck in a collective; the launcher ends the other ranks when this one exits."""
-        self.producer.close()
+        self.producer.close(ok)
         rewards_lib.close_rewards(self.reward_fns)
         if self.servers is not None:
             self.servers.close()

@@ -142,7 +142,7 @@ class SyncProducer:
     def wait_generated(self, r: int) -> None:
         """Return once round r is generated (the synchronous producer generates on demand)."""
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         pass
 
     def _make_round(self, r: int) -> Round:
@@ -244,6 +244,10 @@ def _split_groups(rollouts: list[Rollout], table: torch.Tensor, completions: lis
     return [(rollouts[i : i + G], table[i : i + G], completions[i : i + G]) for i in range(0, len(rollouts), G)]
 
 
+class RoundTimeout(RuntimeError):
+    """A round took longer than it legitimately can (its generation, with retries, and its rewards)."""
+
+
 class AsyncProducer(SyncProducer):
     """Generates rounds ahead of the trainer in one background thread.
 
@@ -254,7 +258,7 @@ class AsyncProducer(SyncProducer):
     round's future and raised in the trainer's thread by next_round, with its cause.
     """
 
-    def __init__(self, *args, round_timeout: float, last_round: int, **kwargs):
+    def __init__(self, *args, round_timeout: float | None, last_round: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.round_timeout = round_timeout
         # No round past the run's last is generated: it would be thrown away, and a thread still
@@ -309,9 +313,10 @@ class AsyncProducer(SyncProducer):
         try:
             rnd = self._future(r).result(timeout=self.round_timeout)
         except FutureTimeout:
-            raise TimeoutError(
-                f"waited {self.round_timeout:.0f}s for round {r} from the rollout producer (live version "
-                f"{self._live_version}, max_staleness {self.max_staleness}); the rollout servers may be stuck"
+            raise RoundTimeout(
+                f"waited {self.round_timeout:g}s for round {r} to be generated and scored (live version {self._live_version}, "
+                f"max_staleness {self.max_staleness}), longer than its generate calls and reward functions may take by their "
+                "timeouts: a rollout server or a reward function is stuck"
             ) from None
         with self._cv:
             self._futures.pop(r, None)
@@ -329,18 +334,22 @@ class AsyncProducer(SyncProducer):
             return  # already handed to the trainer, or never to be generated
         future = self._future(r)
         if not wait([future], timeout=self.round_timeout).done:
-            raise TimeoutError(f"waited {self.round_timeout:.0f}s for round {r} to be generated before the next weight push")
+            raise RoundTimeout(
+                f"waited {self.round_timeout:g}s for round {r} to be generated and scored before the next weight push, longer "
+                "than its generate calls and reward functions may take by their timeouts: a rollout server or a reward function is stuck"
+            )
         future.result()  # raises the round's failure, if any
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         """Stop the thread and wait for it. A thread still running when the interpreter shuts
         down is killed wherever it is; inside a torch call that aborts the process
         ("terminate called without an active exception") after a run that succeeded. At the end
         of a run the thread is idle (it stops at last_round), so the join returns at once. After
-        a failure it may be in a request, which ends by its own HTTP timeout; the wait is
-        bounded and the thread is a daemon, so a stuck request cannot keep the process alive."""
+        a failure (not `ok`) it may be in a request, which a stopped server can hold for
+        rollout_request_timeout: the wait is short, and the thread and the client's request
+        threads are daemons, so the process exits within seconds."""
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
         if self._thread.is_alive():
-            self._thread.join(timeout=self.join_timeout)
+            self._thread.join(timeout=self.join_timeout if ok else 2.0)
