@@ -330,6 +330,8 @@ def resume_changes(saved: dict, config: "TrainConfig") -> list[str]:
     (RESUME_FIXED) that differs from the checkpoint's `saved` config."""
     now = config.to_dict()
     changed = {k: (saved[k], now[k]) for k in now if k in saved and k not in NOT_COMPARED and saved[k] != now[k]}
+    if not (saved.get("use_peft") and now["use_peft"]):  # no adapters on one side: its lora_* mean nothing (use_peft's own check says how to resume)
+        changed = {k: v for k, v in changed.items() if not k.startswith("lora_")}
     fixed = [f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items() if k in RESUME_FIXED]
     if fixed:
         raise ConfigError(f"resume_from_checkpoint: the checkpoint's run differs in {'; '.join(fixed)}. Resume with its values, or start a new run from its model")
