@@ -135,9 +135,9 @@ class Server:
 
 
 def hand_over(server: "Server", model_dir, api_key: str | None = None) -> "Server":
-    """A rollout server that tests share, handed to the next one as a new process would be: the
-    model's own weights live at version 0 (pushed back, forced, if an earlier test moved them), and
-    its fingerprint and version checked."""
+    """A rollout server that tests share, handed to the next one as a new process would be: held by
+    no run, the model's own weights live at version 0 (pushed back, forced, if an earlier test
+    moved them), and its fingerprint and version checked."""
     from tandem.rollout.client import RolloutClient
     from tandem.rollout.weights import fingerprint
     from transformers import AutoModelForCausalLM
@@ -145,6 +145,8 @@ def hand_over(server: "Server", model_dir, api_key: str | None = None) -> "Serve
     weights = list(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
     fresh = {"version": 0, "fingerprint": fingerprint(weights)}
     client = RolloutClient([server.url], api_key=api_key, server_timeout=60)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    assert requests.delete(server.url + "/run", headers=headers, timeout=30).status_code == 200  # held by no run (one killed mid-test holds it)
     try:
         if client.fingerprints()[0] != fresh:  # adapters pushed leave keys of their own too
             client.push_weights(weights, version=0, force=True)

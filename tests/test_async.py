@@ -206,6 +206,29 @@ def test_a_failing_trainer_exits_within_seconds_while_a_stopped_server_holds_its
     assert took < 15, f"the trainer took {took:.0f}s to exit"
 
 
+def test_a_second_run_on_a_server_another_run_holds_is_refused_at_start_naming_it(tiny_model, data, server, tmp_path):
+    # Two runs' pushes used to interleave until one died on a 409 after its first step, having
+    # saved a useless checkpoint-0 and advised restarting the server.
+    served = ["--rollout_mode", "server", "--rollout_server_urls", server.url]
+    busy = ["--reward_funcs", f"{data.parent / 'busy.py'}:busy"]  # about 2 s a round: the first run is still on when the second starts
+    first = subprocess.Popen(command(1, base_args(tiny_model, data, tmp_path / "first", 16, "--max_steps", "4", *served, *busy)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    try:
+        wait_for_step(tmp_path / "first", 1, first)
+        second = cli_here("train", *base_args(tiny_model, data, tmp_path / "second", 16, "--max_steps", "2", *served))
+        _, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, stderr[-2000:]
+    assert second.returncode == 1
+    assert f"rollout server {server.url} refused this run's claim on it (POST /run): HTTP 409: this server serves the run in {tmp_path / 'first'} on" in second.stderr, second.stderr[-2000:]
+    assert "restart the rollout server" not in second.stderr and not (tmp_path / "second" / "checkpoint-0").exists()
+    assert [m["step"] for m in read(tmp_path / "first")[0]] == [1, 2, 3, 4]  # the first run never noticed
+    # The first run let the server go at its end: the next run gets it.
+    train(1, base_args(tiny_model, data, tmp_path / "third", 16, "--max_steps", "1", *served))
+
+
 def test_async_generate_needs_server_mode(tiny_model, data, tmp_path):
     proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "x", 16, "--async_generate", "true"))
     assert proc.returncode == 2 and "async_generate" in proc.stderr and "rollout_mode: server" in proc.stderr

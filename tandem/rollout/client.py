@@ -79,6 +79,7 @@ class RolloutClient:
         # Called with a restarted server's url before it gets the last weights again: a new process
         # is checked like a new server (a LoRA run's base weights, for one).
         self.check_new_process: Callable[[str], None] | None = None
+        self.run: dict | None = None  # the run this client pushes for (claim): its id goes with every update
 
     # ------------------------------------------------------------------ plumbing
 
@@ -142,6 +143,8 @@ class RolloutClient:
             if health["instance_id"] == self._instances.get(url):
                 return  # another thread already did it
             self._instances[url] = health["instance_id"]  # calls below compare against the new process
+            if self.run is not None:
+                self._claim_one(url)
             if self.check_new_process is not None:
                 self.check_new_process(url)
             if self._last_pushed is not None:
@@ -253,7 +256,7 @@ class RolloutClient:
             instance = self._instances.get(url)
             if instance is not None and self._committed.get(url) == (instance, version):
                 return version
-            body = {"version": version, "force": force, "num_tensors": len(named), "adapter": adapter}
+            body = {"version": version, "force": force, "num_tensors": len(named), "adapter": adapter, "run_id": self.run and self.run["run_id"]}
             uid = self._call("POST", url, "/weights/begin", "a weight update", instance, json=body)["update_id"]
             for bucket in named.buckets() if isinstance(named, StagedWeights) else buckets(named, self.bucket_bytes):
                 if self._use_shm(url):
@@ -272,6 +275,26 @@ class RolloutClient:
                 raise RolloutServerError(f"rollout server {url} reports version {got} after the update, expected {version}")
             self._committed[url] = (instance, version)
             return got
+
+    def claim(self, run_id: str, name: str) -> None:
+        """Hold every server for this run: a server refuses the pushes of any other run, and a
+        server another run holds refuses this one (HTTP 409, naming that run)."""
+        self.run = {"run_id": run_id, "name": name}
+        self._each(self._claim_one, self.urls)
+
+    def _claim_one(self, url: str) -> None:
+        self._call("POST", url, "/run", "this run's claim on it", json=self.run)
+
+    def release(self) -> None:
+        """Let every server go (at the run's end), quickly and without retries: a server that is
+        gone holds nothing."""
+        if self.run is None:
+            return
+        for url in self.urls:
+            try:
+                self.session.delete(url + "/run", params={"run_id": self.run["run_id"]}, headers=self.headers, timeout=(self.timeout[0], 5))
+            except requests.RequestException:
+                pass
 
     def fingerprints(self) -> list[dict]:
         return self._each(self.fingerprint, self.urls)

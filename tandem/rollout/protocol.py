@@ -69,6 +69,18 @@ class WeightUpdateBegin(_Strict):
     force: bool = Field(False, description="Accept any version (a trainer (re)starting makes the server match it).")
     num_tensors: int = Field(..., ge=1)
     adapter: bool = Field(False, description="A LoRA adapter update: factors '<weight>.lora_A' and '<weight>.lora_B' (scale folded into B), and whole weights; served merged into the base weights.")
+    run_id: str | None = Field(None, max_length=64, description="The pushing run (POST /run); while a run holds the server, only it may push.")
+
+
+class RunClaim(_Strict):
+    run_id: str = Field(..., min_length=1, max_length=64, description="The training run's id (kept in its checkpoints: a resumed run has the same).")
+    name: str = Field(..., max_length=1000, description="Where the run is (output_dir, host, pid), for a refused run's message.")
+
+
+class RunHolder(BaseModel):
+    run_id: str
+    name: str
+    since: float  # seconds since the epoch of the run's first claim
 
 
 class WeightUpdateHandle(BaseModel):

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem.rollout import protocol as P
-from tandem.rollout.serving import Busy, EngineFailure, NotReady, RolloutService, TooLarge, UnknownUpdate, VersionConflict
+from tandem.rollout.serving import Busy, EngineFailure, HeldByAnotherRun, NotReady, RolloutService, TooLarge, UnknownUpdate, VersionConflict
 from tandem.rollout.types import SamplingParams
 from tandem.rollout.weights import host_id, open_sealed_memfd, parse_safetensors
 
@@ -130,7 +130,7 @@ def build_app(
     app = FastAPI(title="tandem rollout server", version="1", lifespan=lifespan)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, max_chunk_bytes=max_chunk_bytes, body_timeout=body_timeout)
 
-    errors = {NotReady: 503, Busy: 503, VersionConflict: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400, EngineFailure: 500}
+    errors = {NotReady: 503, Busy: 503, VersionConflict: 409, HeldByAnotherRun: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400, EngineFailure: 500}
     for exc_type, status in errors.items():
         app.add_exception_handler(exc_type, lambda request, exc, status=status: JSONResponse({"error": str(exc).strip("'\"")}, status))
 
@@ -188,9 +188,20 @@ def build_app(
             ]
         )
 
-    @app.post("/weights/begin", response_model=P.WeightUpdateHandle, responses=_responses(_AUTH, _BODY, _ENGINE, {409: "not the next version"}))
+    @app.post("/weights/begin", response_model=P.WeightUpdateHandle,
+              responses=_responses(_AUTH, _BODY, _ENGINE, {409: "not the next version, or another run holds the server"}))  # fmt: skip
     async def begin(req: P.WeightUpdateBegin):
-        return P.WeightUpdateHandle(update_id=service.begin_update(req.version, req.force, req.num_tensors, req.adapter))
+        return P.WeightUpdateHandle(update_id=service.begin_update(req.version, req.force, req.num_tensors, req.adapter, req.run_id))
+
+    @app.post("/run", response_model=P.RunHolder, responses=_responses(_AUTH, _BODY, {409: "another run holds the server"}))
+    async def claim(req: P.RunClaim):
+        hold = service.claim(req.run_id, req.name)
+        return P.RunHolder(run_id=hold.run_id, name=hold.name, since=hold.since)
+
+    @app.delete("/run", responses=_responses(_AUTH))
+    async def release(run_id: str | None = None):
+        service.release(run_id)
+        return {}
 
     @app.put(
         "/weights/{update_id}/chunk",
@@ -209,7 +220,7 @@ def build_app(
             body = await _read_body(request, nbytes)
             return P.Staged(staged=await run_in_threadpool(service.stage, update_id, parse_safetensors_or_400(body)))
         except BaseException:
-            service.release(update_id, nbytes)  # a chunk refused or cut off holds no room
+            service.unreserve(update_id, nbytes)  # a chunk refused or cut off holds no room
             raise
 
     @app.post("/weights/{update_id}/file", response_model=P.Staged, responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 413: "more than the update can hold"}))
@@ -251,7 +262,7 @@ def _stage_file(service: RolloutService, update_id: str, path: str) -> int:
     try:
         return service.stage(update_id, parse_safetensors_or_400(mapped))
     except BaseException:
-        service.release(update_id, len(mapped))
+        service.unreserve(update_id, len(mapped))
         raise
 
 

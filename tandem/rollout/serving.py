@@ -43,6 +43,19 @@ class EngineFailure(RuntimeError):
     """The engine returned something the server will not pass on (non-finite log-probs)."""
 
 
+class HeldByAnotherRun(RuntimeError):
+    """The server serves another training run: two runs' weight pushes would interleave."""
+
+
+@dataclass
+class RunHold:
+    """The training run whose weights the server serves: only it may push."""
+
+    run_id: str
+    name: str  # where the run is (its output_dir, host and pid), for the refusal's message
+    since: float  # time.time() of its first claim
+
+
 @dataclass
 class _Job:
     prompts: list[list[int]]
@@ -125,6 +138,7 @@ class RolloutService:
         self._adapter_fingerprint: str | None = None
         self._stopped = False
         self._broken: str | None = None  # why the engine's weights are mixed: an update failed midway
+        self.run: RunHold | None = None  # the run that holds the server, if one claimed it
         self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0}
         self.instance_id = uuid.uuid4().hex
         self._worker = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
@@ -301,10 +315,40 @@ class RolloutService:
                 job.future.set_result(outs[start : start + len(job.prompts)])
             start += len(job.prompts)
 
+    # ------------------------------------------------------------------ the run it serves
+
+    def claim(self, run_id: str, name: str) -> RunHold:
+        """The run `run_id` holds the server, unless another one does (a restarted trainer of the
+        holding run, resuming, is let back in)."""
+        with self._cv:
+            if self.run is not None and self.run.run_id != run_id:
+                raise HeldByAnotherRun(self._held_message())
+            if self.run is None:
+                self.run = RunHold(run_id, name, time.time())
+            self.run.name = name
+            return self.run
+
+    def release(self, run_id: str | None) -> None:
+        """The holding run lets go (at its end); without a run_id, whatever run holds it."""
+        with self._cv:
+            if self.run is not None and run_id in (None, self.run.run_id):
+                self.run = None
+
+    def _held_message(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.run.since))
+        return (
+            f"this server serves the run {self.run.name} since {since}: one server serves one run, or the two runs' weight "
+            "pushes would interleave. Give this run a server of its own, or stop that run; if it is gone, free the server "
+            "(DELETE /run, e.g. `curl -X DELETE URL/run`) or restart it"
+        )
+
     # ------------------------------------------------------------------ weights
 
-    def begin_update(self, version: int, force: bool, num_tensors: int, adapter: bool = False) -> str:
+    def begin_update(self, version: int, force: bool, num_tensors: int, adapter: bool = False, run_id: str | None = None) -> str:
         engine = self._need_engine()
+        with self._cv:
+            if self.run is not None and run_id != self.run.run_id:
+                raise HeldByAnotherRun(self._held_message())
         if not force and version != engine.version + 1:
             raise VersionConflict(f"update to version {version} refused: the server is at {engine.version}, the next is {engine.version + 1}")
         update_id = uuid.uuid4().hex
@@ -324,7 +368,7 @@ class RolloutService:
                 raise TooLarge(f"a chunk of {nbytes} bytes exceeds the {staged.capacity} bytes this update can still hold (the model in F32)")
             staged.capacity -= nbytes
 
-    def release(self, update_id: str, nbytes: int) -> None:
+    def unreserve(self, update_id: str, nbytes: int) -> None:
         """A reserved chunk that did not arrive gives its room back."""
         with self._cv:
             staged = self._staged.get(update_id)

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -139,6 +140,8 @@ class Trainer:
         self.global_step = state["global_step"] if state else 0
         self.version = state["policy_version"] if state else 0  # rounds trained = the policy version of our weights
         self.skipped_steps = state.get("skipped_steps", 0) if state else 0  # steps not taken for a NaN or inf
+        # The run's identity on its rollout servers (one server serves one run): a resume is the same run.
+        self.run_id = state.get("run_id") if state and state.get("run_id") else uuid.uuid4().hex
         if state and self.sharding is not None:  # the weights and optimizer state of this rank's shards
             sharding.load_checkpoint(model, self.optimizer.optimizer, self.resume_dir)
         elif state:
@@ -152,7 +155,7 @@ class Trainer:
             self.pushes = sharding.Pushes(self.out, self.servers.client.bucket_bytes, self.is_main)
             policy = self._policy_weights()  # on every rank: sharded weights are gathered together
             if self.is_main:
-                self.servers.start(policy, lora.base_weights(self._lm()) if config.use_peft else None, self.version)
+                self.servers.start(policy, lora.base_weights(self._lm()) if config.use_peft else None, self.version, self.run_id)
             self.engine = self.servers.engine
             self.engine.version = self.version
             self.accelerator.wait_for_everyone()
@@ -603,6 +606,7 @@ class Trainer:
                 "rounds_ahead": keep,
                 "world_size": self.world,
                 "sharded": self.sharding is not None,
+                "run_id": self.run_id,
                 "sampler": ahead[-1].sampler_state if ahead else self._sampler_state,
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))

@@ -2,6 +2,8 @@
 from, pushes and their checks. Every rank connects and generates; rank 0 alone pushes."""
 
 import os
+import socket
+from pathlib import Path
 
 import torch
 
@@ -41,10 +43,12 @@ class Servers:
         """The fingerprint that says whether a server holds what we push."""
         return "adapter_fingerprint" if self.config.use_peft else "fingerprint"
 
-    def start(self, policy: Named, base: Named | None, version: int) -> None:
-        """Rank 0, before any generation: make every server hold our weights and version. A
-        server left running by an earlier (crashed) trainer takes this trainer's. With LoRA
-        (`base` given), a server whose base weights are not ours is refused."""
+    def start(self, policy: Named, base: Named | None, version: int, run_id: str) -> None:
+        """Rank 0, before any generation: hold every server for this run (refused when another
+        run holds one), and make each hold our weights and version. A server left running by an
+        earlier (crashed) trainer of this run takes this trainer's. With LoRA (`base` given), a
+        server whose base weights are not ours is refused."""
+        self.client.claim(run_id, f"in {Path(self.config.output_dir).resolve()} on {socket.gethostname()} (pid {os.getpid()})")
         served = self.client.fingerprints()
         if base is not None:
             expected = dict(zip(self.config.rollout_server_urls, self._served_as(base)))
@@ -63,6 +67,7 @@ class Servers:
             self._verify(policy, version)
 
     def close(self) -> None:
+        self.client.release()
         self.client.close()
 
     def _served_as(self, named: Named) -> list[str]:
