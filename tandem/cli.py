@@ -2,7 +2,9 @@
 
 import argparse
 import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"  # inside the package, so a wheel ships it
@@ -245,7 +247,13 @@ def _log_to_stderr() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done; 2 a user's mistake (a config value, a dataset, a reward function), one
+    message naming it and the fix, the traceback only with TANDEM_DEBUG=1; 1 a failure (a server
+    gone, a round never came, a non-finite step under on_nonfinite error)."""
+    from tandem.data import DataError
+    from tandem.rewards import RewardError
     from tandem.rollout.client import RolloutServerError
+    from tandem.trainer.checkpoint import CheckpointError
     from tandem.trainer.config import ConfigError
     from tandem.trainer.producer import RoundTimeout
 
@@ -256,12 +264,18 @@ def main(argv: list[str] | None = None) -> int:
     _log_to_stderr()
     try:
         return args.run(args)
-    except ConfigError as exc:
-        print(f"tandem: config error: {exc}", file=sys.stderr)
+    except (ConfigError, DataError, RewardError, FileNotFoundError) as exc:
+        _report(f"{'config error: ' if isinstance(exc, ConfigError) else ''}{exc}")
         return 2
-    except (RolloutServerError, RoundTimeout) as exc:
-        print(f"tandem: {exc}", file=sys.stderr)
+    except (RolloutServerError, RoundTimeout, CheckpointError) as exc:
+        _report(str(exc))
         return 1
+
+
+def _report(message: str) -> None:
+    if os.environ.get("TANDEM_DEBUG", "") not in ("", "0"):
+        traceback.print_exc()
+    print(f"tandem: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

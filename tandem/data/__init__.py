@@ -1,11 +1,12 @@
 """Datasets, prompt formatting and the group sampler."""
 
-from tandem.data.datasets import check_prompt, load_prompt_dataset, validate_rows
+from tandem.data.datasets import DataError, check_prompt, load_prompt_dataset, validate_rows
 from tandem.data.prompts import PROMPT_TRUNCATION, encode_prompt, prompt_text
 from tandem.data.sampler import GroupSampler, SamplerState
 
 __all__ = [
     "PROMPT_TRUNCATION",
+    "DataError",
     "GroupSampler",
     "SamplerState",
     "check_prompt",

@@ -1,5 +1,7 @@
 """Turning a dataset row's prompt into token ids with the tokenizer's chat template."""
 
+from tandem.data.datasets import DataError
+
 PROMPT_TRUNCATION = ("error", "left", "skip")
 
 
@@ -9,7 +11,7 @@ def prompt_text(tokenizer, prompt) -> str:
     if isinstance(prompt, str):
         return prompt
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat_template; give plain string prompts or a tokenizer with a template")
+        raise DataError("the prompt is a list of chat messages but the tokenizer has no chat_template; give plain string prompts or a tokenizer with a template")
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
@@ -26,7 +28,7 @@ def encode_prompt(tokenizer, prompt, max_prompt_length: int | None, truncation: 
         return list(ids[-max_prompt_length:])
     if truncation == "skip":
         return None
-    raise ValueError(
+    raise DataError(
         f"a prompt has {len(ids)} tokens, more than max_prompt_length={max_prompt_length}; "
         "raise max_prompt_length or set prompt_truncation to 'left' or 'skip'"
     )

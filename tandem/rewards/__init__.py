@@ -23,6 +23,11 @@ ON_TIMEOUT = ("error", "none")
 FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are trained in float32
 
 
+class RewardError(RuntimeError):
+    """A reward function failed (raised, timed out, exited, returned the wrong values); the
+    message names it. The run stops: a user's mistake, reported without a traceback."""
+
+
 @dataclass(frozen=True)
 class NamedReward:
     name: str
@@ -180,17 +185,19 @@ async def _bounded(reward: NamedReward, start: Callable, n: int) -> list:
             print(f"tandem: warning: reward function {reward.name!r} took longer than reward_timeout={reward.timeout:g}s; "
                   f"its {n} rewards of this batch are None (reward_on_timeout=none)", file=sys.stderr, flush=True)  # fmt: skip
             return [None] * n
-        raise RuntimeError(f"reward function {reward.name!r} took longer than reward_timeout={reward.timeout:g}s; "
+        raise RewardError(f"reward function {reward.name!r} took longer than reward_timeout={reward.timeout:g}s; "
                            "raise reward_timeout, or give reward_on_timeout=none to score such a batch as no opinion") from None  # fmt: skip
+    except SystemExit as exc:  # from user code: a failure, never the run's exit (it ended runs with 0 after no step)
+        raise RewardError(f"reward function {reward.name!r} called sys.exit({exc.code!r}); a reward function must return its rewards") from None
     except Exception as exc:
-        raise RuntimeError(f"reward function {reward.name!r} raised {type(exc).__name__}: {exc}") from exc
+        raise RewardError(f"reward function {reward.name!r} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _column(reward: NamedReward, values, n: int) -> list[float]:
     """A function's values, checked: n floats or None (NaN), none infinite."""
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-        raise ValueError(f"reward function {reward.name!r} must return a list of {n} floats (one per completion), got {got}")
+        raise RewardError(f"reward function {reward.name!r} must return a list of {n} floats (one per completion), got {got}")
     column = []
     for i, v in enumerate(values):
         if v is None:
@@ -199,11 +206,11 @@ def _column(reward: NamedReward, values, n: int) -> list[float]:
             try:
                 v = float(v)
             except (TypeError, ValueError):
-                raise ValueError(f"reward function {reward.name!r} returned {v!r} for completion {i}; expected a float or None") from None
+                raise RewardError(f"reward function {reward.name!r} returned {v!r} for completion {i}; expected a float or None") from None
         if math.isinf(v):
-            raise ValueError(f"reward function {reward.name!r} returned {v} for completion {i}; rewards must be finite (None or NaN means no opinion)")
+            raise RewardError(f"reward function {reward.name!r} returned {v} for completion {i}; rewards must be finite (None or NaN means no opinion)")
         if abs(v) > FLOAT32_MAX:  # would become inf in the float32 table below
-            raise ValueError(
+            raise RewardError(
                 f"reward function {reward.name!r} returned {v:g} for completion {i}; rewards must be finite in float32, the "
                 f"precision they are trained in (|reward| <= {FLOAT32_MAX:.4g}): scale the function's rewards down"
             )
@@ -222,4 +229,4 @@ def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
     return torch.where(unknown, torch.full_like(total, math.nan), total)
 
 
-__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "combine", "completion_text", "close_rewards", "load_reward_fn", "load_rewards", "reward_name", "score"]
+__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "RewardError", "combine", "completion_text", "close_rewards", "load_reward_fn", "load_rewards", "reward_name", "score"]

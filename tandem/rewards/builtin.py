@@ -14,11 +14,12 @@ def completion_text(completion) -> str:
     return completion[-1]["content"]
 
 
-def exact_match(prompts, completions, answer=None, **kwargs) -> list[float]:
-    """1.0 when the completion, stripped of surrounding whitespace, equals the row's `answer`."""
+def exact_match(prompts, completions, answer=None, **kwargs) -> list[float | None]:
+    """1.0 when the completion, stripped of surrounding whitespace, equals the row's `answer`; no
+    opinion (None) for a row whose answer is missing (null), which is not the text "None"."""
     if answer is None:
         raise ValueError("exact_match needs an 'answer' column in the dataset")
-    return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
+    return [None if a is None else float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
 
 THINK_ANSWER = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)

@@ -8,15 +8,38 @@ included, and the next call starts a fresh one.
 """
 
 import multiprocessing
+import os
+import select
+import threading
 import time
 
 _FNS: dict = {}  # in a worker: spec -> function
 
 
-def _start_worker() -> None:
+def _start_worker(parent: int) -> None:
     import torch
 
     torch.set_num_threads(1)  # the pool's workers share the cores
+    _die_with(parent)
+
+
+def _die_with(parent: int) -> None:
+    """End this worker when `parent`, the trainer, is gone, however it ended (SIGKILL included):
+    a worker busy in a reward would otherwise spin on, orphaned. A thread waits on the parent's
+    pidfd (a parent-death signal would fire when the thread that started the worker ends, which
+    in a pool is not the trainer's end)."""
+    try:
+        watched = os.pidfd_open(parent)
+    except ProcessLookupError:
+        os._exit(1)  # the trainer died before this worker started
+    except (OSError, AttributeError):
+        return  # no pidfd (not Linux, or a kernel before 5.3): the pool's own terminate() only
+
+    def watch():
+        select.select([watched], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tandem-die-with-trainer", daemon=True).start()
 
 
 def _score_slice(spec: str, kwargs: dict) -> list:
@@ -24,7 +47,10 @@ def _score_slice(spec: str, kwargs: dict) -> list:
 
     if spec not in _FNS:
         _FNS[spec] = load_reward_fn(spec)
-    return list(_FNS[spec](**kwargs))
+    try:
+        return list(_FNS[spec](**kwargs))
+    except SystemExit as exc:  # would end this worker and leave its task unanswered until the timeout
+        raise RuntimeError(f"called sys.exit({exc.code!r})") from None
 
 
 class WorkerPool:
@@ -35,7 +61,7 @@ class WorkerPool:
     def _started(self):
         if self._pool is None:
             # spawn: a fork of a process with torch's threads and the producer's thread can deadlock
-            self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_start_worker)
+            self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_start_worker, initargs=(os.getpid(),))
         return self._pool
 
     def score(self, spec: str, kwargs: dict, timeout: float | None) -> list:

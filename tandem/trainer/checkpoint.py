@@ -34,6 +34,35 @@ def staging_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f".tmp-checkpoint-{step}"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a folder gone); `latest` did not move."""
+
+
+def abandon(output_dir: str | Path, step: int) -> None:
+    """Remove what a failed save staged (it holds nobody's state, and the disk may be full)."""
+    shutil.rmtree(staging_dir(output_dir, step), ignore_errors=True)
+
+
+def where_to_resume(output_dir: str | Path) -> str:
+    pointer = Path(output_dir) / LATEST
+    return f"latest still names {pointer.read_text().strip()}" if pointer.is_file() else "there is no earlier checkpoint"
+
+
+def check_writable(output_dir: str | Path) -> None:
+    """output_dir is (or can be made) a folder this process can write, checked before anything
+    loads: an unwritable one used to fail at the first log or save with an OSError."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir={path} is a file; give a folder for the run")
+    probe = path / f".tandem-write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"output_dir={path}: cannot write there ({exc.strerror or exc}); choose a folder you can write to") from None
+
+
 def start(output_dir: str | Path, step: int) -> Path:
     """A fresh staging folder for checkpoint `step` (rank 0 calls this before the others write)."""
     tmp = staging_dir(output_dir, step)

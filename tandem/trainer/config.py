@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ WEIGHT_TRANSPORTS = ("auto", "http", "shm")
 FSDP_OPTIONS = ("full_shard", "shard_grad_op", "auto_wrap")
 FSDP_CONFIG_KEYS = ("transformer_layer_cls_to_wrap", "reshard_after_forward", "version")
 REWARD_MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# transformers' get_scheduler names that need no options of their own (transformers.SchedulerType)
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt", "warmup_stable_decay")
 
 
 def opt(default, help: str, section: str):
@@ -190,7 +193,12 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: {fix}")
 
+        for f in dataclasses.fields(self):  # no NaN or inf anywhere: inf learning rates, timeouts and norms trained nothing or never ended
+            value = getattr(self, f.name)
+            values = value if isinstance(value, list) else [value]
+            need(all(math.isfinite(v) for v in values if isinstance(v, float)), f.name, "must be a finite number")
         need(bool(self.model_name_or_path), "model_name_or_path", "give a model folder or hub name (e.g. one made by `tandem init-model runs/model`)")
+        need(0 <= self.seed < 2**32, "seed", "must be in [0, 2**32)")
         need(bool(self.dataset_name), "dataset_name", "give a prompt file (.jsonl/.json/.parquet/.csv) or a dataset name")
         need(self.rollout_mode in ROLLOUT_MODES, "rollout_mode", f"must be one of {ROLLOUT_MODES}")
         need(not (self.rollout_mode == "server" and not self.rollout_server_urls), "rollout_server_urls", "give at least one server URL in server mode")
@@ -230,6 +238,10 @@ class TrainConfig:
         need(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1 or none")
         need(self.prompt_truncation in PROMPT_TRUNCATION, "prompt_truncation", f"must be one of {PROMPT_TRUNCATION}")
         need(self.learning_rate > 0, "learning_rate", "must be > 0")
+        need(self.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type", f"unknown; valid names: {', '.join(SCHEDULERS)}")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        need(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
         need(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
         need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
         need(self.loss_type in LOSS_TYPES, "loss_type", f"unknown; valid names: {', '.join(sorted(LOSS_TYPES))}")
@@ -295,8 +307,21 @@ class TrainConfig:
                  "with dynamic_sample, ranks generate different numbers of batches, which a sharded colocated engine cannot (each forward is a collective): use rollout_mode server")  # fmt: skip
 
     def warnings(self) -> list[str]:
-        """Settings that work but are probably not what was meant."""
-        out = []
+        """Settings that work but are probably not what was meant: among them, options set to
+        other than their default that have no effect in this run, each with the option it needs."""
+        defaults = TrainConfig(model_name_or_path=self.model_name_or_path)
+        idle = {
+            "max_staleness": (not self.async_generate, "async_generate true"),
+            "eval_steps": (self.eval_dataset is None, "an eval_dataset"),
+            "eval_num_generations": (self.eval_dataset is None, "an eval_dataset"),
+            "max_resample_times": (not self.dynamic_sample, "dynamic_sample true"),
+            "verify_weight_sync": (self.rollout_mode != "server", "rollout_mode server"),
+            "rollout_server_urls": (self.rollout_mode != "server", "rollout_mode server"),
+            "off_policy_correction": (self.rollout_mode != "server", "rollout_mode server (a colocated engine samples on-policy)"),
+            **{f"lora_{k}": (not self.use_peft, "use_peft true") for k in ("r", "alpha", "dropout", "target_modules", "modules_to_save")},
+        }
+        out = [f"{name}={getattr(self, name)!r} has no effect without {needs}" for name, (unused, needs) in idle.items()
+               if unused and getattr(self, name) != getattr(defaults, name)]  # fmt: skip
         if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
             # As TRL warns: a token-sum reduction weights each sequence by its length (GSPO, arXiv:2507.18071, eq. 5).
             out.append(
@@ -442,7 +467,10 @@ def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(exc).strip()}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option: value")
     known = [*_fields(), *TRL_ALIASES, CORRECTION_SWITCH]

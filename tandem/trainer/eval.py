@@ -99,7 +99,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
     tokenizer = AutoTokenizer.from_pretrained(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    table, _ = load_prompts(config, tokenizer)
+    table, _ = load_prompts(config, tokenizer, max_len=getattr(lm.config, "max_position_embeddings", None))
     engine = TransformersEngine(lm.eval(), eos_token_ids(tokenizer, lm.generation_config, model), tokenizer.pad_token_id)
     try:
         return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, seed, pass_threshold)

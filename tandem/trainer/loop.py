@@ -22,8 +22,8 @@ import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs, set_seed
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from tandem import rewards as rewards_lib
 from tandem.algo import Normalisation, group_advantages, importance_weights, policy_loss
@@ -38,7 +38,7 @@ from tandem.trainer.eval import evaluate
 from tandem.trainer.metrics import JsonlWriter, combine, completion_records, round_metrics, truncate_log
 from tandem.trainer.producer import AsyncProducer, Round, RoundTimeout, SyncProducer, completion_seed
 from tandem.trainer.servers import Servers
-from tandem.trainer.setup import build_policy, load_prompts, resolve_bf16
+from tandem.trainer.setup import build_policy, load_prompts, load_tokenizer, resolve_bf16
 
 
 def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -106,6 +106,7 @@ class Trainer:
             checkpoint.check_resume(self.resume_dir, state, self.world, self.sharding is not None)
             changes = resume_changes(yaml.safe_load((self.resume_dir / "config.yaml").read_text()), config)
         else:
+            checkpoint.check_writable(self.out)
             checkpoint.check_fresh(self.out, config.overwrite_output_dir, self.is_main)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -122,11 +123,9 @@ class Trainer:
         # Cheap checks first: reward functions and the dataset fail before the model loads.
         self.reward_fns = config.load_rewards()
         self.reward_names = [fn.name for fn in self.reward_fns]
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.table, self.skipped_prompts = load_prompts(config, self.tokenizer)
-        self.eval_table = load_prompts(config, self.tokenizer, config.eval_dataset)[0] if config.eval_dataset else None
+        self.tokenizer, max_len = load_tokenizer(config.model_name_or_path)
+        self.table, self.skipped_prompts = load_prompts(config, self.tokenizer, max_len=max_len)
+        self.eval_table = load_prompts(config, self.tokenizer, config.eval_dataset, max_len)[0] if config.eval_dataset else None
         if self.skipped_prompts and self.is_main:
             print(f"tandem: skipped {self.skipped_prompts} prompts longer than max_prompt_length={config.max_prompt_length}")
 
@@ -140,6 +139,7 @@ class Trainer:
         self.global_step = state["global_step"] if state else 0
         self.version = state["policy_version"] if state else 0  # rounds trained = the policy version of our weights
         self.skipped_steps = state.get("skipped_steps", 0) if state else 0  # steps not taken for a NaN or inf
+        self.idle = metrics.IdleSteps(patience=10, skipped_before=self.skipped_steps)
         # The run's identity on its rollout servers (one server serves one run): a resume is the same run.
         self.run_id = state.get("run_id") if state and state.get("run_id") else uuid.uuid4().hex
         if state and self.sharding is not None:  # the weights and optimizer state of this rank's shards
@@ -229,7 +229,19 @@ class Trainer:
             bar.close()
         if saved_at != self.global_step:
             self.save()
+        if last and self.is_main and (nothing := self.idle.at_end(last)):
+            print(f"tandem: WARNING: {nothing}", file=sys.stderr, flush=True)
         return last
+
+    def _check_idle(self, message: str | None) -> None:
+        """Steps in a row that trained nothing: a loud warning, or with on_nonfinite error the
+        end of the run (every rank decides alike: the record is reduced over them)."""
+        if message is None:
+            return
+        if self.config.on_nonfinite == "error":
+            raise NonFiniteStepError(f"step {self.global_step}: {message}; stopping (on_nonfinite: error)")
+        if self.is_main:
+            print(f"tandem: WARNING: step {self.global_step}: {message}", file=sys.stderr, flush=True)
 
     def _evaluate(self) -> None:
         """eval/* on the held-out prompts, by rank 0 (every rank with a sharded colocated engine)
@@ -341,6 +353,7 @@ class Trainer:
                 record["time/train"] = time.perf_counter() - t_train - sync_seconds
                 record["time/weight_sync"] = sync_seconds
                 self._log(record, bar)
+                self._check_idle(self.idle.after_step(record))
                 if first:
                     self._log_completions(rnd, scores.rewards, scores.advantages)
                 if sync_error is not None:
@@ -569,7 +582,18 @@ class Trainer:
 
     def save(self) -> Path | None:
         """A checkpoint every rank contributes to (its RNG state and the rounds it generated
-        ahead); rank 0 writes the rest and moves `latest`. Called between rounds only."""
+        ahead); rank 0 writes the rest and moves `latest`. Called between rounds only. A write
+        that fails (a full disk) leaves no staging folder and `latest` where it was."""
+        try:
+            return self._save()
+        except (OSError, SafetensorError) as exc:
+            checkpoint.abandon(self.out, self.global_step)
+            raise checkpoint.CheckpointError(
+                f"could not write checkpoint-{self.global_step} in {self.out} ({type(exc).__name__}: {exc}); "
+                f"{checkpoint.where_to_resume(self.out)}. Free some space there, then resume with --resume_from_checkpoint latest"
+            ) from None
+
+    def _save(self) -> Path | None:
         step, acc = self.global_step, self.accelerator
         acc.wait_for_everyone()
         if self.is_main:

@@ -61,6 +61,41 @@ def truncate_log(path: Path, step: int) -> str | None:
     return torn
 
 
+class IdleSteps:
+    """Counts the optimizer steps in a row that trained nothing: skipped for a NaN or inf, or on
+    a round where no reward function had an opinion on any completion (every reward None). A run
+    of them as long as `patience` (or the whole run, at its end) is worth a loud message: such a
+    run used to end with exit code 0 and nothing said."""
+
+    def __init__(self, patience: int, skipped_before: int):
+        self.patience, self.skipped = patience, skipped_before
+        self.in_a_row = self.steps = self.idle = 0
+
+    def after_step(self, record: dict) -> str | None:
+        """The message once `patience` idle steps in a row are reached (again), else None."""
+        skipped, self.skipped = record["skipped_steps"] > self.skipped, record["skipped_steps"]
+        idle = skipped or math.isnan(record["reward"])
+        self.steps += 1
+        self.idle += idle
+        self.in_a_row = self.in_a_row + 1 if idle else 0
+        if self.in_a_row and self.in_a_row % self.patience == 0:
+            return f"the last {self.in_a_row} steps trained nothing ({self._why(record)})"
+        return None
+
+    def at_end(self, record: dict) -> str | None:
+        if self.steps and self.idle == self.steps:
+            return f"this run trained nothing: none of its {self.steps} steps changed the weights with a reward ({self._why(record)})"
+        return None
+
+    @staticmethod
+    def _why(record: dict) -> str:
+        return (
+            f"skipped_steps {record['skipped_steps']}: the loss or gradient norm was NaN or inf (check learning_rate, "
+            "reward_weights and the rewards' scale); or every reward was None: no reward function had an opinion "
+            "(check that the dataset has the columns they read)"
+        )
+
+
 def peak_memory_gb() -> float:
     """This process's peak memory so far: allocated on its GPU, else resident on the host."""
     if torch.cuda.is_available():

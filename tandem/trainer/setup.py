@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from tandem.data import encode_prompt, load_prompt_dataset
+from tandem.data import DataError, encode_prompt, load_prompt_dataset
 from tandem.rollout.weights import host_id
 from tandem.trainer.batch import PrefixSharingLM
 from tandem.trainer import lora
@@ -16,25 +16,57 @@ from tandem.trainer.config import ConfigError, TrainConfig
 from tandem.trainer.producer import PromptTable
 
 
-def load_prompts(config: TrainConfig, tokenizer, dataset: str | None = None) -> tuple[PromptTable, int]:
+def load_tokenizer(name: str):
+    """The tokenizer (with a pad token) and the model's max_position_embeddings (None if its config
+    has none), read before the model loads. A name that loads neither from a folder here nor from
+    the hub is a config error that says which."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    local = Path(name).expanduser()
+    if name.startswith(("/", ".", "~")) and not local.is_dir():
+        raise ConfigError(f"model_name_or_path={name}: no such folder; give a model folder (e.g. one made by `tandem init-model`) or a hub name")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        max_len = getattr(AutoConfig.from_pretrained(name), "max_position_embeddings", None)
+    except (OSError, ValueError) as exc:
+        where = "the folder holds no model with a tokenizer" if local.is_dir() else "not a folder here, and it did not load from the hub"
+        raise ConfigError(f"model_name_or_path={name}: {where} ({exc})") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, max_len
+
+
+def load_prompts(config: TrainConfig, tokenizer, dataset: str | None = None, max_len: int | None = None) -> tuple[PromptTable, int]:
     """Encode every prompt once (of dataset_name, or of `dataset`); returns the table and how
-    many prompts were skipped as too long."""
-    ds = load_prompt_dataset(dataset or config.dataset_name, config.dataset_split, config.dataset_config)
+    many prompts were skipped as too long. A prompt that leaves less than max_completion_length
+    of the model's `max_len` positions is an error naming its row: the engine and the trainer's
+    forward would run past the positions the model knows."""
+    source = dataset or config.dataset_name
+    ds = load_prompt_dataset(source, config.dataset_split, config.dataset_config)
     others = [c for c in ds.column_names if c != "prompt"]
     table = PromptTable(prompts=[], prompt_ids=[], columns={c: [] for c in others}, conversational=[])
     skipped = 0
-    for row in ds:
-        ids = encode_prompt(tokenizer, row["prompt"], config.max_prompt_length, config.prompt_truncation)
+    for i, row in enumerate(ds):
+        try:
+            ids = encode_prompt(tokenizer, row["prompt"], config.max_prompt_length, config.prompt_truncation)
+        except DataError as exc:
+            raise DataError(f"dataset {source}, row {i}: {exc}") from None
         if ids is None:
             skipped += 1
             continue
+        if max_len is not None and len(ids) + config.max_completion_length > max_len:
+            raise DataError(
+                f"dataset {source}, row {i}: its prompt of {len(ids)} tokens and max_completion_length={config.max_completion_length} "
+                f"need {len(ids) + config.max_completion_length} positions, more than the model's max_position_embeddings={max_len}; "
+                "lower max_completion_length, or max_prompt_length (with prompt_truncation left or skip)"
+            )
         table.prompts.append(row["prompt"])
         table.prompt_ids.append(ids)
         table.conversational.append(not isinstance(row["prompt"], str))
         for c in others:
             table.columns[c].append(row[c])
     if not table.prompt_ids:
-        raise ValueError(f"all {skipped} prompts are longer than max_prompt_length={config.max_prompt_length}; raise it")
+        raise DataError(f"all {skipped} prompts of {source} are longer than max_prompt_length={config.max_prompt_length}; raise it")
     return table, skipped
 
 
