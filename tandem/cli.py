@@ -12,7 +12,7 @@ DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"  # inside the packag
 
 def _train(args: argparse.Namespace) -> int:
     from tandem.trainer.config import config_from_args
-    from tandem.trainer.loop import NonFiniteStepError, train
+    from tandem.trainer.loop import NonFiniteStepError, Preempted, train
 
     config = config_from_args(args)  # validated here, before any model loads
     try:
@@ -20,6 +20,9 @@ def _train(args: argparse.Namespace) -> int:
     except NonFiniteStepError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 1
+    except Preempted as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as a process the signal ended
     return 0
 
 
@@ -249,7 +252,8 @@ def _log_to_stderr() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 2 a user's mistake (a config value, a dataset, a reward function), one
     message naming it and the fix, the traceback only with TANDEM_DEBUG=1; 1 a failure (a server
-    gone, a round never came, a non-finite step under on_nonfinite error)."""
+    gone, a round never came, a checkpoint the disk could not hold, a non-finite step under
+    on_nonfinite error); 143 stopped by SIGTERM, with a checkpoint."""
     from tandem.data import DataError
     from tandem.rewards import RewardError
     from tandem.rollout.client import RolloutServerError

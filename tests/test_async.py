@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import ENV, Server, cli_here, command, kill_server_mid_run, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
+from tandem.trainer import checkpoint
 
 DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
 CRASH = (
@@ -227,6 +228,28 @@ def test_a_second_run_on_a_server_another_run_holds_is_refused_at_start_naming_i
     assert [m["step"] for m in read(tmp_path / "first")[0]] == [1, 2, 3, 4]  # the first run never noticed
     # The first run let the server go at its end: the next run gets it.
     train(1, base_args(tiny_model, data, tmp_path / "third", 16, "--max_steps", "1", *served))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_stops_every_rank_within_seconds_with_a_checkpoint(tiny_model, data, server, tmp_path, mode):
+    # What a scheduler sends before it preempts a job: it killed every rank at once, with no save.
+    out = tmp_path / "run"
+    args = base_args(tiny_model, data, out, 16, "--max_steps", "1000", "--save_steps", "1000", "--rollout_mode", "server",
+                     "--rollout_server_urls", server.url, "--async_generate", "true" if mode == "async" else "false")  # fmt: skip
+    trainer = subprocess.Popen(command(2, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_for_step(out, 3, trainer)
+        trainer.send_signal(signal.SIGTERM)  # to torchrun, which passes it to every rank
+        start = time.monotonic()
+        _, stderr = trainer.communicate(timeout=90)
+        took = time.monotonic() - start
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode != 0 and took < 30, (trainer.returncode, took, stderr[-2000:])
+    assert "stopped by SIGTERM after step" in stderr and f"resume with --resume_from_checkpoint latest --output_dir {out}" in stderr, stderr[-3000:]
+    step = len(read(out)[0])
+    assert step >= 3 and checkpoint.resolve("latest", out) == out / f"checkpoint-{step}"  # whole, at the last step logged
 
 
 def test_async_generate_needs_server_mode(tiny_model, data, tmp_path):

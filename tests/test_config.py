@@ -1,5 +1,7 @@
 """Config loading, overrides and validation, through the real CLI where it matters."""
 
+import os
+
 import pytest
 
 from conftest import cli_here, run_cli
@@ -56,6 +58,19 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--fsdp_config", '{"version": 2}'], "fsdp_config"),
         (["--fsdp", "full_shard", "--use_peft", "true"], "fsdp"),
         (["--fsdp", "full_shard", "--dynamic_sample", "true"], "fsdp"),
+        # Values that trained nothing or never ended, and ones that failed only once the model had loaded.
+        (["--learning_rate", "inf"], "learning_rate"),
+        (["--max_grad_norm", "inf"], "max_grad_norm"),
+        (["--ddp_timeout", "inf"], "ddp_timeout"),
+        (["--rollout_server_timeout", "inf"], "rollout_server_timeout"),
+        (["--reward_weights", "nan"], "reward_weights"),
+        (["--reward_weights", "inf"], "reward_weights"),
+        (["--weight_decay", "-0.1"], "weight_decay"),
+        (["--adam_beta1", "1.5"], "adam_beta1"),
+        (["--adam_beta2", "-0.1"], "adam_beta2"),
+        (["--lr_scheduler_type", "cosinus"], "lr_scheduler_type"),
+        (["--seed", "-1"], "seed"),
+        (["--seed", str(2**32)], "seed"),
     ],
 )
 def test_bad_values_name_the_field(extra, field):
@@ -92,6 +107,44 @@ def test_bad_config_fails_through_the_cli_before_the_model_loads(tmp_path):
     assert proc.returncode == 2
     assert "num_generations" in proc.stderr and "/nonexistent/model" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_options_without_effect_in_the_run_warn_naming_what_they_need():
+    warnings = _config("--eval_steps", "5", "--max_staleness", "2", "--lora_r", "8", "--verify_weight_sync", "true").warnings()
+    assert "eval_steps=5 has no effect without an eval_dataset" in warnings
+    assert "max_staleness=2 has no effect without async_generate true" in warnings
+    assert "lora_r=8 has no effect without use_peft true" in warnings
+    assert "verify_weight_sync=True has no effect without rollout_mode server" in warnings
+    assert _config().warnings() == []  # defaults never warn
+    assert _config("--use_peft", "true", "--lora_r", "8").warnings() == []
+
+
+@pytest.mark.parametrize(
+    "make, extra, message",
+    [
+        (lambda d: (d / "bad.yaml").write_text("learning_rate: [1e-5\n"), ["--config", "{d}/bad.yaml"], "config file {d}/bad.yaml is not valid YAML"),
+        (lambda d: None, ["--model_name_or_path", "{d}/no_such_model"], "model_name_or_path={d}/no_such_model: no such folder"),
+        (lambda d: (d / "out").write_text(""), ["--output_dir", "{d}/out"], "output_dir={d}/out is a file; give a folder"),
+        (lambda d: (d / "afile").write_text(""), ["--output_dir", "{d}/afile/run"], "output_dir={d}/afile/run: cannot write there (Not a directory)"),
+        (lambda d: (d / "q.jsonl").write_text('{"question": "1+1="}\n'), ["--dataset_name", "{d}/q.jsonl"], "has no 'prompt' column"),
+    ],
+)
+def test_a_users_mistake_ends_with_exit_code_2_and_one_message(tiny_model, tmp_path, make, extra, message):
+    # Each was a raw traceback (yaml's, transformers' "Repo id must be in the form", mkdir's
+    # OSError) or a clear message under a traceback with exit code 1.
+    make(tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    args = ["train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", "exact_match", "--output_dir", tmp_path / "run"]
+    args += [a.format(d=tmp_path) for a in extra]
+    proc = cli_here(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message.format(d=tmp_path) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    os.environ["TANDEM_DEBUG"] = "1"  # the traceback on request
+    try:
+        assert "Traceback" in cli_here(*args).stderr
+    finally:
+        del os.environ["TANDEM_DEBUG"]
 
 
 def test_unknown_command_line_option_fails_with_a_suggestion():

@@ -6,7 +6,7 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from tandem.data import GroupSampler, encode_prompt, load_prompt_dataset, prompt_text
+from tandem.data import DataError, GroupSampler, encode_prompt, load_prompt_dataset, prompt_text
 
 pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
 
@@ -47,6 +47,35 @@ def test_bad_rows_name_the_row(tmp_path, rows, message):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=message):
         load_prompt_dataset(str(path))
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("broken.jsonl", b'{"prompt": "1+1="}\n{"prompt": "2+2=", \n', r"broken.jsonl, line 2: not valid JSON \(Expecting property name"),
+        ("twice.jsonl", b'{"prompt": "a"}\n\n{"prompt": "b", "prompt": "c"}\n', r"twice.jsonl, line 3: key 'prompt' appears twice; give each key once"),
+        ("latin1.jsonl", b'{"prompt": "caf\xe9"}\n', r"latin1.jsonl, line 1: not UTF-8 \(byte 0xe9 at column 16\); save the file as UTF-8"),
+        ("list.jsonl", b'["prompt", "x"]\n', r"list.jsonl, line 1: a list, not a JSON object"),
+        ("empty.jsonl", b"", r"empty.jsonl is empty; it needs rows with a 'prompt'"),
+        ("empty.csv", b"", r"empty.csv is empty"),
+    ],
+)
+def test_a_broken_file_is_an_error_naming_the_line(tmp_path, name, content, message):
+    # The datasets library said "Expected object or value at position 28", raised StopIteration,
+    # DatasetGenerationError or UnicodeDecodeError, naming neither the line nor the fix.
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        load_prompt_dataset(str(path))
+
+
+def test_a_folder_that_is_no_dataset_is_an_error_saying_what_loads(tmp_path):
+    # A save_to_disk folder that lost its dataset_info.json: the datasets library's own
+    # DatasetGenerationError said neither which folder nor what would load.
+    Dataset.from_list([{"prompt": "1+1="}]).save_to_disk(tmp_path / "saved")
+    (tmp_path / "saved" / "dataset_info.json").unlink()
+    with pytest.raises(DataError, match=rf"dataset folder {tmp_path / 'saved'} could not be loaded .*Dataset.save_to_disk"):
+        load_prompt_dataset(str(tmp_path / "saved"))
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

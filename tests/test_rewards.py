@@ -12,7 +12,7 @@ import torch
 from conftest import cli_here
 
 from tandem.demo import addition_rows, write_jsonl
-from tandem.rewards import close_rewards, combine, load_reward_fn, load_rewards, score
+from tandem.rewards import RewardError, close_rewards, combine, load_reward_fn, load_rewards, score
 from tandem.rewards.builtin import accuracy, exact_match, length_penalty, number_format, think_format
 
 pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
@@ -22,6 +22,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def test_builtins():
     assert exact_match(None, [" 7", [{"role": "assistant", "content": "8"}]], answer=["7", "7"]) == [1.0, 0.0]
+    assert exact_match(None, ["None", "None"], answer=[None, "None"]) == [None, 1.0]  # a null answer is no opinion, not the text "None"
     assert number_format(None, ["12", "x1"]) == [1.0, 0.0]
     assert think_format(None, ["<think>a</think> <answer>b</answer>", "<answer>b</answer>"]) == [1.0, 0.0]
     # max 10: no penalty up to 8 tokens, -0.5 at 9, -1 at 10
@@ -72,6 +73,55 @@ def test_raising_or_miscounting_functions_fail_naming_the_function(tmp_path):
         rewards = load_rewards([f"{f}:{name}"], None)
         with pytest.raises((RuntimeError, ValueError), match=f"{name}'.*{message}"):
             score(rewards, prompts=["p", "p"], completions=["a", "b"])
+
+
+@pytest.mark.parametrize("kind", ["plain", "async", "pooled"])
+def test_a_function_that_calls_sys_exit_fails_naming_it(tmp_path, kind):
+    # SystemExit(0) from a reward function ended the whole run with exit code 0 after 0 steps
+    # (a pooled one left its worker dead and the batch unanswered until the timeout).
+    f = tmp_path / "r.py"
+    f.write_text("import sys\ndef quits(prompts, completions, **kw):\n    sys.exit(0)\nasync def aquits(prompts, completions, **kw):\n    sys.exit(0)\n")
+    name = "aquits" if kind == "async" else "quits"
+    rewards = load_rewards([f"{f}:{name}"], None, timeout=30, num_workers=1 if kind == "pooled" else 0)
+    try:
+        with pytest.raises(RewardError, match=f"reward function '{name}' (called sys.exit\\(0\\)|raised RuntimeError: called sys.exit\\(0\\))"):
+            score(rewards, prompts=["p"], completions=["a"])
+    finally:
+        close_rewards(rewards)
+
+
+def test_reward_workers_die_with_their_trainer(tiny_model, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    # A worker busy in a reward kept spinning (about 0.6 of a core) long after a SIGKILL of its trainer.
+    f = tmp_path / "spin.py"
+    f.write_text("def spin(prompts, completions, **kw):\n    while True:\n        pass\n")
+    data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", tmp_path / "run",
+         "--reward_funcs", f"{f}:spin", "--reward_num_workers", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",
+         "--max_completion_length", "2", "--disable_tqdm", "true"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        busy = []
+        while not busy:  # the worker is spinning in the reward
+            assert trainer.poll() is None and time.monotonic() < deadline, "no busy reward worker"
+            busy = [c for c in psutil.Process(trainer.pid).children(recursive=True) if c.cpu_percent(interval=0.2) > 50]
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        gone, alive = psutil.wait_procs(busy, timeout=10)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    for p in alive:
+        p.kill()
+    assert not alive, "reward workers outlived their trainer"
 
 
 def test_none_and_nan_are_no_opinion(tmp_path):

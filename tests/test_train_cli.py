@@ -161,9 +161,55 @@ def test_a_non_finite_step_never_updates_the_weights(tiny_model, data, tmp_path,
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["skipped_steps"] for m in metrics] == [1, 2]
+    assert "WARNING: this run trained nothing: none of its 2 steps" in proc.stderr, proc.stderr[-2000:]  # it said nothing, with exit code 0
     before = load_file(tiny_model / "model.safetensors")
     after = load_file(tmp_path / "run" / "checkpoint-2" / "model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_steps_without_any_reward_warn_and_stop_under_on_nonfinite_error(tiny_model, data, tmp_path):
+    # Every reward None (no function has an opinion): every advantage is 0 and nothing trains.
+    (tmp_path / "mute.py").write_text("def mute(prompts, completions, **kw):\n    return [None] * len(completions)\n")
+    args = ["--reward_funcs", f"{tmp_path / 'mute.py'}:mute", "--reward_weights", "1.0", "--max_steps", "12", "--save_steps", "0"]
+    warned = _run(tiny_model, data, tmp_path / "warned", *args)
+    assert warned.returncode == 0
+    assert "WARNING: step 10: the last 10 steps trained nothing" in warned.stderr and "every reward was None" in warned.stderr, warned.stderr[-2000:]
+    stopped = _run(tiny_model, data, tmp_path / "stopped", *args, "--on_nonfinite", "error")
+    assert stopped.returncode == 1 and "step 10: the last 10 steps trained nothing" in stopped.stderr, stopped.stderr[-2000:]
+    assert len((tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()) == 10
+
+
+def test_a_prompt_past_the_models_positions_is_refused_naming_its_row(tiny_model, tmp_path):
+    # Colocated, it trained silently past the 1024 positions the model knows (a server refuses it with a 400).
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"prompt": "7" * 1000, "answer": "7"}) + "\n")
+    proc = cli_here("train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", tmp_path / "run", "--reward_funcs", "exact_match",
+                    "--max_prompt_length", "2000", "--max_completion_length", "30")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"dataset {data}, row 1: its prompt of 1000 tokens and max_completion_length=30 need 1030 positions, more than the model's max_position_embeddings=1024" in proc.stderr
+
+
+def test_a_checkpoint_the_disk_cannot_hold_leaves_nothing_half_written(tiny_model, data, tmp_path):
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    # Files capped at 100 kB (RLIMIT_FSIZE), past the logs and below the model's weights: its
+    # write fails as on a full disk. It used to end in safetensors' traceback, leaving .tmp-checkpoint-1.
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the cap fails (EFBIG) instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", out,
+                           "--reward_funcs", "exact_match", "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "4",
+                           "--max_steps", "2", "--save_steps", "1", "--disable_tqdm", "true"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_disk)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"tandem: could not write checkpoint-1 in {out}" in proc.stderr and "there is no earlier checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not list(out.glob(".tmp-checkpoint-*")) and not (out / "latest").exists()
 
 
 def test_bf16_reference_model_runs_under_the_policys_numerics(tiny_model, data, tmp_path):

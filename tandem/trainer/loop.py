@@ -10,7 +10,9 @@
 
 import json
 import math
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -214,8 +216,18 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.global_step, desc="tandem", disable=cfg.disable_tqdm or not self.is_main, dynamic_ncols=True)
         last: dict = {}
         saved_at = self.global_step
+        sigterm = _Flag(signal.SIGTERM)
         try:
             while self.global_step < cfg.max_steps:
+                if self._any_rank_flagged_collective(sigterm.is_set()):
+                    if saved_at != self.global_step:
+                        self.save()
+                        saved_at = self.global_step
+                    raise Preempted(
+                        f"stopped by SIGTERM after step {self.global_step} (the round in flight finished); "
+                        + (f"checkpoint-{saved_at} holds it: resume with --resume_from_checkpoint latest --output_dir {cfg.output_dir}"
+                           if saved_at else "no step was trained: start the run again")
+                    )  # fmt: skip
                 before = self.global_step
                 last = self._train_round(bar) or last
                 if self.eval_table is not None and (self.global_step >= cfg.max_steps or _crossed(before, self.global_step, cfg.eval_steps)):
@@ -226,12 +238,20 @@ class Trainer:
         except (RolloutServerError, RoundTimeout) as exc:
             raise type(exc)(f"{exc}\n{self._after_failure(exc, saved_at)}") from None
         finally:
+            sigterm.restore()
             bar.close()
         if saved_at != self.global_step:
             self.save()
         if last and self.is_main and (nothing := self.idle.at_end(last)):
             print(f"tandem: WARNING: {nothing}", file=sys.stderr, flush=True)
         return last
+
+    def _any_rank_flagged_collective(self, flagged: bool) -> bool:
+        """Whether any rank's flag is up (a SIGTERM reached it): a collective at the top of every
+        round, so that every rank stops at the same round, together."""
+        if self.world == 1:
+            return flagged
+        return bool(self.accelerator.reduce(torch.tensor([float(flagged)], device=self.accelerator.device), reduction="sum").item())
 
     def _check_idle(self, message: str | None) -> None:
         """Steps in a row that trained nothing: a loud warning, or with on_nonfinite error the
@@ -656,6 +676,27 @@ class Trainer:
 
 class NonFiniteStepError(RuntimeError):
     """A step's loss or gradient norm was NaN or inf and on_nonfinite is 'error'."""
+
+
+class Preempted(RuntimeError):
+    """The run stopped on SIGTERM (a scheduler preempting the job), with a checkpoint of what it trained."""
+
+
+class _Flag:
+    """A signal that raises a flag instead of ending the process, from construction until
+    restore() (in the main thread only: Python runs handlers there)."""
+
+    def __init__(self, signum: int):
+        self.signum, self._event, self._old = signum, threading.Event(), None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signum, lambda *_: self._event.set())
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(self.signum, self._old)
 
 
 def train(config: TrainConfig) -> dict:
