@@ -1,0 +1,119 @@
+"""Golden runs: a fixed config in each mode (colocated, server sync, server async, LoRA, two
+processes with DDP and with FSDP) must train as it did when tests/golden.json was recorded:
+every loss, reward, KL and other statistic of metrics.jsonl, and the final weights' fingerprint.
+They guard refactorings of the trainer, which must change no result.
+
+Float results depend on the CPU's kernels (AVX-512 against AVX2 code paths round differently),
+so the comparison is exact on a CPU of the recording's capability and within 1e-5 on others.
+Record again (`python tests/test_golden.py`) only for a change meant to change results, and say
+so in its commit.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import train
+from tandem.demo import addition_rows, write_jsonl
+from tandem.rollout.weights import fingerprint
+
+GOLDEN = Path(__file__).with_name("golden.json")
+DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
+# Wall-clock figures and where the run ran: not results.
+NOT_RESULTS = ("timestamp", "time/", "completion_tokens_per_second", "memory/", "staleness/")
+
+MODES = {
+    # name: (processes, options); 4 steps each, on the tiny model
+    "colocate": (1, ["--beta", "0.05", "--num_iterations", "2", "--steps_per_generation", "2", "--per_device_train_batch_size", "8"]),
+    "server_sync": (1, ["--rollout_mode", "server"]),
+    "server_async": (1, ["--rollout_mode", "server", "--async_generate", "true", "--max_staleness", "1"]),
+    "lora": (1, ["--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_dropout", "0.0"]),
+    "ddp": (2, ["--per_device_train_batch_size", "8"]),
+    "fsdp": (2, ["--per_device_train_batch_size", "8", "--fsdp", "full_shard"]),
+}
+
+
+def _args(model, data, out, options, server_url):
+    served = ["--rollout_server_urls", server_url] if "server" in options else []
+    return [
+        "--model_name_or_path", model, "--dataset_name", data, "--output_dir", out, "--reward_funcs", f"{data.parent / 'digits.py'}:digits",
+        "--num_generations", "4", "--per_device_train_batch_size", "16", "--max_completion_length", "6", "--learning_rate", "1e-2",
+        "--max_steps", "4", "--save_steps", "0", "--disable_tqdm", "true", "--seed", "3", *options, *served,
+    ]  # fmt: skip
+
+
+def _results(out: Path) -> dict:
+    """What a run computed: its metrics without timings, and its final weights' fingerprint."""
+    metrics = [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(NOT_RESULTS)} for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
+    ckpt = out / "checkpoint-4"
+    if (ckpt / "sharded").is_dir():
+        from tandem.trainer.sharding import load_model
+
+        named = list(load_model(ckpt).named_parameters())
+    else:
+        named = list(load_file(ckpt / ("adapter_model.safetensors" if (ckpt / "adapter_model.safetensors").is_file() else "model.safetensors")).items())
+    return {"metrics": metrics, "weights": fingerprint(named)}
+
+
+def _run(name: str, model, data, tmp_path, server_url: str) -> dict:
+    procs, options = MODES[name]
+    out = tmp_path / name
+    train(procs, _args(model, data, out, options, server_url), separate=name == "fsdp")
+    return _results(out)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("golden")
+    (folder / "digits.py").write_text(DIGITS)
+    return write_jsonl(addition_rows(0), folder / "data.jsonl")
+
+
+def _same(got, want, exact: bool) -> bool:
+    if isinstance(want, float) and isinstance(got, float):
+        if math.isnan(want) or math.isnan(got):
+            return math.isnan(want) and math.isnan(got)
+        return got == want if exact else abs(got - want) <= 1e-5 * max(1.0, abs(want))
+    return got == want
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_each_mode_trains_as_recorded(name, tiny_model, data, server, tmp_path):
+    golden = json.loads(GOLDEN.read_text())
+    got = _run(name, tiny_model, data, tmp_path, server.url)
+    want = golden["runs"][name]
+    exact = golden["cpu"] == torch.backends.cpu.get_cpu_capability()
+    assert len(got["metrics"]) == len(want["metrics"])
+    for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"]), start=1):
+        assert set(g) == set(w), (step, set(g) ^ set(w))
+        wrong = {k: (g[k], w[k]) for k in w if not _same(g[k], w[k], exact)}
+        assert not wrong, f"{name}, step {step}: (now, recorded) {wrong}"
+    if exact:
+        assert got["weights"] == want["weights"], f"{name}: the final weights differ from the recording"
+
+
+if __name__ == "__main__":  # record: python tests/test_golden.py (starts its own server)
+    import tempfile
+
+    from conftest import Server, run_cli
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = tmp / "tiny"
+        assert run_cli("init-model", model, "--size", "tiny").returncode == 0
+        (tmp / "digits.py").write_text(DIGITS)
+        dataset = write_jsonl(addition_rows(0), tmp / "data.jsonl")
+        server = Server(model)
+        try:
+            runs = {name: _run(name, model, dataset, tmp, server.url) for name in MODES}
+        finally:
+            server.stop()
+    GOLDEN.write_text(json.dumps({"cpu": torch.backends.cpu.get_cpu_capability(), "runs": runs}, indent=1) + "\n")
+    print(f"recorded {', '.join(runs)} in {GOLDEN}", file=sys.stderr)
