@@ -181,7 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint folder of an fsdp run (holds sharded/)")
     p.add_argument("out", help="folder to write the model and tokenizer to (HF format)")
     p.set_defaults(run=_files_command(_export))
+    _add_eval(sub)
+    _add_runs_readers(sub)
+    return parser
 
+
+def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on prompts: mean rewards, pass@1 and pass@k; prints a table, writes JSON",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--model", required=True, help="model folder, a run's checkpoint (LoRA and sharded ones too) or hub name")
@@ -198,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="eval.json", help="JSON file to write the results to")
     p.set_defaults(run=_eval)
 
+
+def _add_runs_readers(sub) -> None:
+    """plot, show and demo: commands about runs."""
     p = sub.add_parser("plot", help="draw runs' curves (reward, lengths, KL, clipping, staleness, time per phase, tokens/s) as a PNG")
     p.add_argument("run_dirs", nargs="+", help="output_dir of one or more `tandem train` runs (reads metrics.jsonl); several are overlaid")
     p.add_argument("--out", default=None, help="PNG to write (default: plot.png in the first run's folder)")
@@ -216,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_steps", type=int, default=0, help="override the demo config's max_steps (0 keeps it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, data and training")
     p.set_defaults(run=_demo)
-    return parser
 
 
 def _reject_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:

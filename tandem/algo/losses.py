@@ -133,10 +133,16 @@ def policy_loss(
         per_token = per_token + beta * per_token_kl
         metrics["kl"] = _masked_mean(per_token_kl, mask).detach()
     loss = reduce(per_token, mask, norm)
+    return loss, metrics | _clip_ratios(ratio.expand_as(logprobs), adv, mask, epsilon_low, epsilon_high)
 
-    low = ((ratio < 1 - epsilon_low) & (adv < 0)).expand_as(logprobs).to(mask.dtype)  # (N, T)
-    high = ((ratio > 1 + epsilon_high) & (adv > 0)).expand_as(logprobs).to(mask.dtype)  # (N, T)
-    metrics["clip_ratio/low_mean"] = _masked_mean(low, mask).detach()
-    metrics["clip_ratio/high_mean"] = _masked_mean(high, mask).detach()
-    metrics["clip_ratio/region_mean"] = _masked_mean(low + high, mask).detach()
-    return loss, metrics
+
+def _clip_ratios(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float) -> dict[str, torch.Tensor]:
+    """The share of tokens whose ratio (N, T) the clip holds at its low or high bound (where that
+    bound binds: a negative or a positive advantage (N, 1)), as TRL reports them."""
+    low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)  # (N, T)
+    high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)  # (N, T)
+    return {
+        "clip_ratio/low_mean": _masked_mean(low, mask).detach(),
+        "clip_ratio/high_mean": _masked_mean(high, mask).detach(),
+        "clip_ratio/region_mean": _masked_mean(low + high, mask).detach(),
+    }

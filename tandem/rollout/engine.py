@@ -165,34 +165,50 @@ class TransformersEngine:
         seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)  # (N, V) for the repetition penalty
         if params.repetition_penalty != 1.0:
             seen.scatter_(1, input_ids, attention.bool())
-        eos = torch.tensor(self.eos_token_ids, device=device)
+        cache, logits = self._prefill(prompts, input_ids, attention, positions)
+        token_mat, logp_mat, lengths, finished_by_eos = self._decode(cache, logits, attention, positions[:, -1:], seen, generators, params)
+        token_mat, logp_mat, lengths, finished_by_eos = token_mat.cpu(), logp_mat.cpu(), lengths.tolist(), finished_by_eos.tolist()
+        return [
+            Completion(
+                token_ids=token_mat[i, : lengths[i]].tolist(),
+                logprobs=logp_mat[i, : lengths[i]].tolist(),
+                finish_reason="stop" if finished_by_eos[i] else "length",
+                version=self.version,
+            )
+            for i in range(n)
+        ]
 
-        # Prefill each distinct prompt once (a group's G completions share one), then give every
-        # sequence its own copy of the prompt's KV cache.
+    def _prefill(self, prompts, input_ids, attention, positions):
+        """Prefill each distinct prompt once (a group's G completions share one), then give every
+        sequence its own copy of the prompt's KV cache; returns it and the first logits (N, V)."""
         keys: dict[tuple, int] = {}
         rows = []  # one row holding each distinct prompt
         for i, p in enumerate(prompts):
             if tuple(p) not in keys:
                 keys[tuple(p)] = len(keys)
                 rows.append(i)
-        index = torch.tensor([keys[tuple(p)] for p in prompts], device=device)  # (N,)
-        first = torch.tensor(rows, device=device)  # (U,)
+        index = torch.tensor([keys[tuple(p)] for p in prompts], device=self.device)  # (N,)
+        first = torch.tensor(rows, device=self.device)  # (U,)
         out = self.model(
             input_ids=input_ids[first], attention_mask=attention[first], position_ids=positions[first], use_cache=True, logits_to_keep=1
         )
         cache = out.past_key_values
         cache.reorder_cache(index)  # (U, ...) -> (N, ...)
-        logits = out.logits[:, -1, :].float()[index]  # (N, V)
+        return cache, out.logits[:, -1, :].float()[index]  # (N, V)
 
-        # The batch holds only sequences still generating: once a quarter of its rows have
-        # stopped, they leave it, KV cache included, so no decode step computes a finished one.
+    def _decode(self, cache, logits, attention, step_pos, seen, generators, params: SamplingParams):
+        """Sample until every sequence stopped or reached max_tokens: tokens and log-probs (N, T),
+        lengths and whether each ended on EOS (N,). The batch holds only sequences still
+        generating: once a quarter of its rows have stopped, they leave it, KV cache included, so
+        no decode step computes a finished one."""
+        device, n = self.device, len(logits)
+        eos = torch.tensor(self.eos_token_ids, device=device)
         live = torch.arange(n, device=device)  # (M,) the sequence each batch row holds
         token_mat = torch.full((n, params.max_tokens), self.pad_token_id, dtype=torch.long, device=device)  # (N, T)
         logp_mat = torch.zeros((n, params.max_tokens), device=device)  # (N, T)
         lengths = torch.full((n,), params.max_tokens, dtype=torch.long, device=device)  # (N,)
         finished_by_eos = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
         done = torch.zeros(n, dtype=torch.bool, device=device)  # (M,)
-        step_pos = positions[:, -1:]  # (M, 1)
         for step in range(params.max_tokens):
             scores = apply_repetition_penalty(logits, seen, params.repetition_penalty) / params.temperature
             scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)
@@ -207,12 +223,7 @@ class TransformersEngine:
             done |= hit_eos
             if params.repetition_penalty != 1.0:
                 seen[torch.arange(len(live), device=device), tok] = True
-            if step == params.max_tokens - 1:
-                break
-            finished = bool(done.all())
-            if self.all_done is not None:
-                finished = self.all_done(finished)
-            if finished:
+            if step == params.max_tokens - 1 or self._all_finished(done):
                 break
             if 4 * int(done.sum()) >= len(done) and not done.all():  # a finished batch keeps its rows while others decode
                 keep = (~done).nonzero().squeeze(1)  # (M',)
@@ -227,14 +238,10 @@ class TransformersEngine:
             )
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()  # (M, V)
+        return token_mat, logp_mat, lengths, finished_by_eos
 
-        token_mat, logp_mat, lengths, finished_by_eos = token_mat.cpu(), logp_mat.cpu(), lengths.tolist(), finished_by_eos.tolist()
-        return [
-            Completion(
-                token_ids=token_mat[i, : lengths[i]].tolist(),
-                logprobs=logp_mat[i, : lengths[i]].tolist(),
-                finish_reason="stop" if finished_by_eos[i] else "length",
-                version=self.version,
-            )
-            for i in range(n)
-        ]
+    def _all_finished(self, done: torch.Tensor) -> bool:
+        """Whether decoding can stop: every sequence here is done, and with `all_done` (sharded)
+        every process's, so that all of them make the same forward calls."""
+        finished = bool(done.all())
+        return self.all_done(finished) if self.all_done is not None else finished

@@ -14,7 +14,7 @@ import threading
 from contextlib import asynccontextmanager
 
 import torch
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -120,6 +120,9 @@ def build_app(
     device: str = "cpu",
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> FastAPI:
+    """The server's app: Guard before every route, its errors as {"error": ...} bodies, and the
+    routers over `service` (status, generation, weights, the run it serves)."""
+
     @asynccontextmanager
     async def lifespan(app):
         yield
@@ -129,7 +132,16 @@ def build_app(
 
     app = FastAPI(title="tandem rollout server", version="1", lifespan=lifespan)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, max_chunk_bytes=max_chunk_bytes, body_timeout=body_timeout)
+    _error_bodies(app)
+    info = P.Info(model=model_name, engine="loading", dtype=dtype, device=device, version=0, vocab_size=0, max_model_len=0, max_batch_tokens=0,
+                  max_request_bytes=max_request_bytes, max_weight_chunk_bytes=max_chunk_bytes, host_id=host_id(), threads=0, stats={})  # fmt: skip
+    for router in (_status_routes(service, info), _generation_routes(service), _weight_routes(service), _run_routes(service)):
+        app.include_router(router)
+    return app
 
+
+def _error_bodies(app: FastAPI) -> None:
+    """Every error answers {"error": message}, with the status its kind calls for."""
     errors = {NotReady: 503, Busy: 503, VersionConflict: 409, HeldByAnotherRun: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400, EngineFailure: 500}
     for exc_type, status in errors.items():
         app.add_exception_handler(exc_type, lambda request, exc, status=status: JSONResponse({"error": str(exc).strip("'\"")}, status))
@@ -149,31 +161,35 @@ def build_app(
         log.warning("%s during %s %s; request dropped", why, request.method, request.url.path)
         return JSONResponse({"error": why}, 400)  # nobody is left to read it
 
-    # Cheap routes are `async def`: they run on the event loop, never queued behind requests
-    # that hold worker threads.
-    @app.get("/health", response_model=P.Health)
+
+def _status_routes(service: RolloutService, info: P.Info) -> APIRouter:
+    """/health and /info. Cheap routes are `async def`: they run on the event loop, never queued
+    behind requests that hold worker threads."""
+    router = APIRouter()
+
+    @router.get("/health", response_model=P.Health)
     async def health():
         return P.Health(status="ready" if service.ready else "loading", version=service.version, instance_id=service.instance_id)
 
-    @app.get("/info", response_model=P.Info, responses=_responses(_AUTH))
-    async def info():
-        return P.Info(
-            model=model_name,
-            engine=type(service.engine).__name__ if service.ready else "loading",
-            dtype=dtype,
-            device=device,
-            version=service.version,
-            vocab_size=service.vocab_size,
-            max_model_len=service.max_model_len,
-            max_batch_tokens=service.max_batch_tokens,
-            max_request_bytes=max_request_bytes,
-            max_weight_chunk_bytes=max_chunk_bytes,
-            host_id=host_id(),
-            threads=service.engine.threads if service.ready else torch.get_num_threads(),
-            stats=dict(service.stats),
-        )
+    @router.get("/info", response_model=P.Info, responses=_responses(_AUTH))
+    async def server_info():
+        return info.model_copy(update={
+            "engine": type(service.engine).__name__ if service.ready else "loading",
+            "version": service.version,
+            "vocab_size": service.vocab_size,
+            "max_model_len": service.max_model_len,
+            "max_batch_tokens": service.max_batch_tokens,
+            "threads": service.engine.threads if service.ready else torch.get_num_threads(),
+            "stats": dict(service.stats),
+        })  # fmt: skip
 
-    @app.post(
+    return router
+
+
+def _generation_routes(service: RolloutService) -> APIRouter:
+    router = APIRouter()
+
+    @router.post(
         "/generate",
         response_model=P.GenerateResponse,
         responses=_responses(_AUTH, _BODY, _ENGINE, {409: "min_version not live within version_timeout", 500: "the engine failed",
@@ -188,22 +204,19 @@ def build_app(
             ]
         )
 
-    @app.post("/weights/begin", response_model=P.WeightUpdateHandle,
-              responses=_responses(_AUTH, _BODY, _ENGINE, {409: "not the next version, or another run holds the server"}))  # fmt: skip
+    return router
+
+
+def _weight_routes(service: RolloutService) -> APIRouter:
+    """A weight update: begin, chunks over HTTP or sealed memfds, commit; and the fingerprint."""
+    router = APIRouter()
+
+    @router.post("/weights/begin", response_model=P.WeightUpdateHandle,
+                 responses=_responses(_AUTH, _BODY, _ENGINE, {409: "not the next version, or another run holds the server"}))  # fmt: skip
     async def begin(req: P.WeightUpdateBegin):
         return P.WeightUpdateHandle(update_id=service.begin_update(req.version, req.force, req.num_tensors, req.adapter, req.run_id))
 
-    @app.post("/run", response_model=P.RunHolder, responses=_responses(_AUTH, _BODY, {409: "another run holds the server"}))
-    async def claim(req: P.RunClaim):
-        hold = service.claim(req.run_id, req.name)
-        return P.RunHolder(run_id=hold.run_id, name=hold.name, since=hold.since)
-
-    @app.delete("/run", responses=_responses(_AUTH))
-    async def release(run_id: str | None = None):
-        service.release(run_id)
-        return {}
-
-    @app.put(
+    @router.put(
         "/weights/{update_id}/chunk",
         response_model=P.Staged,
         responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 411: "no Content-Length", 413: "more than the update can hold"}),
@@ -223,21 +236,39 @@ def build_app(
             service.unreserve(update_id, nbytes)  # a chunk refused or cut off holds no room
             raise
 
-    @app.post("/weights/{update_id}/file", response_model=P.Staged, responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 413: "more than the update can hold"}))
+    @router.post("/weights/{update_id}/file", response_model=P.Staged,
+                 responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 413: "more than the update can hold"}))  # fmt: skip
     async def from_file(update_id: str, req: P.WeightFile):
         return P.Staged(staged=await run_in_threadpool(_stage_file, service, update_id, req.path))
 
-    @app.post("/weights/{update_id}/commit", response_model=P.WeightCommitResult,
-              responses=_responses(_AUTH, _ENGINE, {400: "tensors missing", 404: "no such update", 409: "not the next version"}))  # fmt: skip
+    @router.post("/weights/{update_id}/commit", response_model=P.WeightCommitResult,
+                 responses=_responses(_AUTH, _ENGINE, {400: "tensors missing", 404: "no such update", 409: "not the next version"}))  # fmt: skip
     def commit(update_id: str):
         version = service.commit(update_id)
         return P.WeightCommitResult(version=version, fingerprint="")
 
-    @app.get("/weights/fingerprint", response_model=P.Fingerprint, response_model_exclude_none=True, responses=_responses(_AUTH, _ENGINE))
+    @router.get("/weights/fingerprint", response_model=P.Fingerprint, response_model_exclude_none=True, responses=_responses(_AUTH, _ENGINE))
     def weights_fingerprint():
         return P.Fingerprint(**service.fingerprint())
 
-    return app
+    return router
+
+
+def _run_routes(service: RolloutService) -> APIRouter:
+    """The training run the server serves: claimed at a trainer's start, let go at its end."""
+    router = APIRouter()
+
+    @router.post("/run", response_model=P.RunHolder, responses=_responses(_AUTH, _BODY, {409: "another run holds the server"}))
+    async def claim(req: P.RunClaim):
+        hold = service.claim(req.run_id, req.name)
+        return P.RunHolder(run_id=hold.run_id, name=hold.name, since=hold.since)
+
+    @router.delete("/run", responses=_responses(_AUTH))
+    async def release(run_id: str | None = None):
+        service.release(run_id)
+        return {}
+
+    return router
 
 
 async def _read_body(request: Request, nbytes: int) -> bytearray:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
+from safetensors import SafetensorError
 
 from tandem.trainer.config import ConfigError
 
@@ -240,3 +242,85 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Saves the run's state at a round's end: TrainState, the learner's weights, optimizer and
+    schedule, the producer's rounds generated ahead, every rank's RNG; and reads the per-rank
+    parts back at resume. The run's files (tokenizer, resolved config) go into each checkpoint so
+    it loads and resumes on its own."""
+
+    def __init__(self, out: Path, dist, learner, producer, tokenizer, resolved_config: dict, save_total_limit: int | None, sharded: bool):
+        self.out, self.dist, self.learner, self.producer, self.tokenizer = Path(out), dist, learner, producer, tokenizer
+        self.resolved_config, self.save_total_limit, self.sharded = resolved_config, save_total_limit, sharded
+
+    def save_collective(self, state) -> Path | None:
+        """Every rank writes its part (its RNG state, the rounds it generated ahead, its shards);
+        rank 0 the rest, then moves `latest`. A write that fails (a full disk) leaves no staging
+        folder and `latest` where it was."""
+        try:
+            return self._save_collective(state)
+        except (OSError, SafetensorError) as exc:
+            abandon(self.out, state.step)
+            raise CheckpointError(
+                f"could not write checkpoint-{state.step} in {self.out} ({type(exc).__name__}: {exc}); {where_to_resume(self.out)}. "
+                "Free some space there, then resume with --resume_from_checkpoint latest"
+            ) from None
+
+    def _save_collective(self, state) -> Path | None:
+        dist, lm = self.dist, self.learner.lm
+        dist.barrier_collective("checkpoint: start")
+        if dist.is_main:
+            start(self.out, state.step)
+        dist.barrier_collective("checkpoint: staging folder made")
+        tmp = staging_dir(self.out, state.step)
+        # Rounds generated ahead (async) are saved, not regenerated: they were made with weights
+        # this checkpoint does not hold. Every rank keeps the same number so the sampler agrees.
+        ahead = self.producer.pending()
+        ahead = ahead[: int(dist.gather_collective(torch.tensor([len(ahead)]), "rounds ahead").min())]
+        torch.save(rng_state(), tmp / f"rng_state_{dist.rank}.pt")
+        (tmp / f"rounds_{dist.rank}.json").write_text(json.dumps([r.to_dict() for r in ahead]))
+        if self.sharded:  # every rank writes its shards; rank 0 the model's config
+            from tandem.trainer.sharding import save_checkpoint
+
+            dist.enter("checkpoint: shards")
+            save_checkpoint(lm, self.learner.optimizer.optimizer, tmp)
+        dist.barrier_collective("checkpoint: every rank's part written")
+        path = None
+        if dist.is_main:
+            if self.sharded:  # the weights are in sharded/: the model's config says what they fill
+                lm.config.save_pretrained(tmp)
+                lm.generation_config.save_pretrained(tmp)
+            else:
+                lm.save_pretrained(tmp)
+                torch.save(self.learner.optimizer.state_dict(), tmp / "optimizer.pt")
+            self.tokenizer.save_pretrained(tmp)
+            (tmp / "config.yaml").write_text(yaml.safe_dump(self.resolved_config, sort_keys=False))
+            saved = {
+                "global_step": state.step,
+                "skipped_steps": state.skipped_steps,
+                "policy_version": state.version,
+                "round": state.round,  # the next round to train
+                "rounds_ahead": len(ahead),
+                "world_size": dist.world,
+                "sharded": self.sharded,
+                "run_id": state.run_id,
+                "sampler": ahead[-1].sampler_state if ahead else state.sampler,  # where generation goes on
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(saved, indent=1))
+            torch.save(self.learner.scheduler.state_dict(), tmp / "scheduler.pt")
+            path = finish(self.out, state.step, self.save_total_limit)
+        dist.barrier_collective("checkpoint: done")
+        return path
+
+    def restore_rank(self, resume_dir: Path) -> list:
+        """This rank's part of a checkpoint: its RNG state (set now) and the rounds it had
+        generated ahead (returned, for the producer)."""
+        from tandem.trainer.producer import Round
+
+        rounds_file = resume_dir / f"rounds_{self.dist.rank}.json"
+        ready = [Round.from_dict(d) for d in json.loads(rounds_file.read_text())] if rounds_file.exists() else []
+        rng_file = resume_dir / f"rng_state_{self.dist.rank}.pt"
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy's state needs pickle
+        return ready

@@ -193,6 +193,17 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: {fix}")
 
+        self._validate_run(need)
+        self._validate_batch(need)
+        self._validate_loss_and_rewards(need)
+        self._validate_fsdp(need)
+        try:
+            self.sampling_params().validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc).replace("max_tokens", "max_completion_length")) from None
+
+    def _validate_run(self, need) -> None:
+        """Every number finite; the model, data, seed, and how generation is done."""
         for f in dataclasses.fields(self):  # no NaN or inf anywhere: inf learning rates, timeouts and norms trained nothing or never ended
             value = getattr(self, f.name)
             values = value if isinstance(value, list) else [value]
@@ -216,6 +227,9 @@ class TrainConfig:
         need(self.on_nonfinite in NONFINITE_POLICIES, "on_nonfinite", f"must be one of {NONFINITE_POLICIES}")
         need(self.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
         need(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport", f"must be one of {WEIGHT_TRANSPORTS}")
+
+    def _validate_batch(self, need) -> None:
+        """Groups, micro-batches, rounds and the optimizer."""
         need(self.num_generations >= 2, "num_generations", "must be >= 2: advantages compare completions within a group")
         need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
         need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
@@ -244,6 +258,9 @@ class TrainConfig:
         need(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
         need(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
         need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
+
+    def _validate_loss_and_rewards(self, need) -> None:
+        """The loss, rewards, logging, evaluation and LoRA."""
         need(self.loss_type in LOSS_TYPES, "loss_type", f"unknown; valid names: {', '.join(sorted(LOSS_TYPES))}")
         need(self.epsilon > 0, "epsilon", "must be > 0 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high])")
         need(self.epsilon < 1, "epsilon", "must be < 1, or the lower clip bound 1 - epsilon is not positive")
@@ -278,11 +295,6 @@ class TrainConfig:
             "lora_target_modules",
             "give all-linear alone, or module names",
         )
-        self._validate_fsdp(need)
-        try:
-            self.sampling_params().validate()
-        except ValueError as exc:
-            raise ConfigError(str(exc).replace("max_tokens", "max_completion_length")) from None
 
     def fsdp_options(self) -> dict:
         """fsdp_config with transformers' optional fsdp_ prefix dropped from its keys."""

@@ -81,7 +81,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
 
     from tandem.rollout.engine import TransformersEngine, eos_token_ids
     from tandem.trainer.config import TrainConfig
-    from tandem.trainer.setup import load_prompts
+    from tandem.trainer.setup import PromptOptions, load_prompts
     from tandem.trainer.sharding import is_sharded, load_model
 
     config = TrainConfig(model_name_or_path=model, dataset_name=dataset, reward_funcs=reward_funcs, reward_weights=reward_weights,
@@ -99,9 +99,34 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
     tokenizer = AutoTokenizer.from_pretrained(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    table, _ = load_prompts(config, tokenizer, max_len=getattr(lm.config, "max_position_embeddings", None))
+    options = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length)
+    table, _ = load_prompts(dataset, tokenizer, options, getattr(lm.config, "max_position_embeddings", None))
     engine = TransformersEngine(lm.eval(), eos_token_ids(tokenizer, lm.generation_config, model), tokenizer.pad_token_id)
     try:
         return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, seed, pass_threshold)
     finally:
         rewards_lib.close_rewards(reward_fns)
+
+
+class Evaluator:
+    """Evaluation during training: eval/* of the run's engine with the weights live between two
+    rounds. Rank 0 evaluates; with a sharded colocated engine every rank does (each of its
+    forwards is a collective)."""
+
+    def __init__(self, engine, tokenizer, table: PromptTable, reward_fns, params: SamplingParams, num_generations: int, greedy: bool,
+                 seed: int, pass_threshold: float, dist, every_rank: bool):  # fmt: skip
+        self.engine, self.tokenizer, self.table, self.reward_fns, self.params = engine, tokenizer, table, reward_fns, params
+        self.num_generations, self.greedy, self.seed, self.pass_threshold = num_generations, greedy, seed, pass_threshold
+        self.dist, self.every_rank = dist, every_rank
+
+    def run_collective(self, version: int) -> dict | None:
+        """The eval/* metrics on rank 0 (None elsewhere); every rank waits for them."""
+        results = None
+        if self.dist.is_main or self.every_rank:
+            if self.every_rank:
+                self.dist.enter("evaluation (sharded engine)")
+            with self.dist.accelerator.autocast():
+                results = evaluate(self.engine, self.tokenizer, self.table, self.reward_fns, self.params, self.num_generations, self.greedy,
+                                   self.seed, self.pass_threshold, min_version=version)  # fmt: skip
+        self.dist.barrier_collective("evaluation done")
+        return results if self.dist.is_main else None

@@ -7,12 +7,13 @@ tandem.rollout.adapters says; a checkpoint holds them in PEFT's format.
 
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tandem.rollout.adapters import LORA_A, LORA_B
-from tandem.trainer.config import ConfigError, TrainConfig
+from tandem.trainer.config import ConfigError
 
 ADAPTER = "default"  # PEFT's name for the one adapter a run trains
 
@@ -30,13 +31,25 @@ def _matches(pattern: str, names: list[str]) -> bool:
     return any(n == pattern or n.endswith("." + pattern) for n in names)
 
 
-def lora_config(config: TrainConfig, model: torch.nn.Module):
+@dataclass(frozen=True)
+class LoraOptions:
+    """The adapters to train (TrainConfig's lora_* values)."""
+
+    r: int
+    alpha: int
+    dropout: float
+    target_modules: list[str] | None
+    modules_to_save: list[str] | None
+    model: str  # model_name_or_path, for the messages
+
+
+def lora_config(options: LoraOptions, model: torch.nn.Module):
     """PEFT's LoraConfig from the run's options, after checking them against the model: a target
     that names no linear module, or a module to save that names none at all, fails here,
     naming the option and listing what the model has."""
     peft = _peft()
     linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    targets = config.lora_target_modules
+    targets = options.target_modules
     if targets == ["all-linear"]:
         targets = "all-linear"
     elif targets is not None:
@@ -44,18 +57,17 @@ def lora_config(config: TrainConfig, model: torch.nn.Module):
         if missing:
             kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
             raise ConfigError(
-                f"lora_target_modules={config.lora_target_modules!r}: {missing} name no linear module of {config.model_name_or_path}; "
+                f"lora_target_modules={options.target_modules!r}: {missing} name no linear module of {options.model}; "
                 f"its linear modules are {kinds} (or give all-linear)"
             )
     modules = [n for n, _ in model.named_modules() if n]
-    missing = [m for m in config.lora_modules_to_save or [] if not _matches(m, modules)]
+    missing = [m for m in options.modules_to_save or [] if not _matches(m, modules)]
     if missing:
         top = sorted({n.rsplit(".", 1)[-1] for n in modules if not n.split(".")[-1].isdigit()})
-        raise ConfigError(f"lora_modules_to_save={config.lora_modules_to_save!r}: {missing} name no module of {config.model_name_or_path}; its modules are {top}")
+        raise ConfigError(f"lora_modules_to_save={options.modules_to_save!r}: {missing} name no module of {options.model}; its modules are {top}")
     if getattr(model.config, "tie_word_embeddings", False):
         embeddings = {n for n, m in model.named_modules() if m is model.get_input_embeddings() or m is model.get_output_embeddings()}
-        for option in ("lora_target_modules", "lora_modules_to_save"):
-            given = getattr(config, option) or []
+        for option, given in (("lora_target_modules", options.target_modules or []), ("lora_modules_to_save", options.modules_to_save or [])):
             tied = [m for m in given if m != "all-linear" and _matches(m, sorted(embeddings))]
             if tied:
                 raise ConfigError(
@@ -63,23 +75,23 @@ def lora_config(config: TrainConfig, model: torch.nn.Module):
                     "(tie_word_embeddings): training it would untie them; leave it out"
                 )
     return peft.LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
+        r=options.r,
+        lora_alpha=options.alpha,
+        lora_dropout=options.dropout,
         target_modules=targets,
-        modules_to_save=config.lora_modules_to_save,
+        modules_to_save=options.modules_to_save,
         task_type="CAUSAL_LM",
     )
 
 
-def adapt(config: TrainConfig, model: torch.nn.Module, resume_dir: Path | None) -> torch.nn.Module:
+def adapt(options: LoraOptions, model: torch.nn.Module, resume_dir: Path | None) -> torch.nn.Module:
     """The base model with trainable adapters: new ones, or the checkpoint's when resuming."""
     if resume_dir is not None:
         if not (resume_dir / "adapter_config.json").is_file():
             raise ConfigError(f"use_peft=True: checkpoint {resume_dir} holds a full model, not adapters; resume it with use_peft false")
         return load_adapters(model, resume_dir, trainable=True)
     with _quiet():
-        return _peft().get_peft_model(model, lora_config(config, model))
+        return _peft().get_peft_model(model, lora_config(options, model))
 
 
 def load_adapters(model: torch.nn.Module, folder: Path, trainable: bool = False):

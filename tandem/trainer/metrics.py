@@ -215,3 +215,54 @@ def _markdown_cell(v) -> str:
     if isinstance(v, str):
         return repr(v)[1:-1].replace("|", "\\|")
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+class RunLog:
+    """Where a run's numbers go, from rank 0: metrics.jsonl (a line per step), completions.jsonl,
+    eval.jsonl, the experiment trackers at the same steps, and the progress bar with the live
+    reward. The other ranks hold an inert one."""
+
+    def __init__(self, out: Path, accelerator, is_main: bool, with_eval: bool, completions_per_step: int, max_steps: int, show_bar: bool):
+        self.accelerator, self.is_main, self.completions_per_step = accelerator, is_main, completions_per_step
+        self.max_steps, self.show_bar, self.bar = max_steps, show_bar and is_main, None
+        self.metrics = JsonlWriter(out / "metrics.jsonl") if is_main else None
+        self.completions = JsonlWriter(out / "completions.jsonl") if is_main else None
+        self.evals = JsonlWriter(out / "eval.jsonl") if is_main and with_eval else None
+
+    def start(self, step: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=self.max_steps, initial=step, desc="tandem", disable=not self.show_bar, dynamic_ncols=True)
+
+    def step(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        self.metrics.write(record)
+        self.accelerator.log(scalars(record), step=record["step"])
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{record['reward']:.3f}", tok_s=f"{record['completion_tokens_per_second']:.0f}", loss=f"{record['loss']:.4f}")
+
+    def sample(self, lines_of, step: int) -> None:
+        """completions.jsonl's lines of the step: `lines_of(limit)` makes them (rank 0 only)."""
+        if self.is_main and self.completions_per_step:
+            lines = lines_of(self.completions_per_step)
+            for line in lines:
+                self.completions.write(line)
+            log_completions(self.accelerator, lines, step)
+
+    def evaluation(self, step: int, results: dict, prompts: int) -> None:
+        if not self.is_main:
+            return
+        self.evals.write({"step": step, **results})
+        self.accelerator.log(results, step=step)
+        shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in results.items() if k == "eval/reward" or k.startswith("eval/pass@"))
+        print(f"tandem: step {step} eval on {prompts} prompts: {shown}", flush=True)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def close(self) -> None:
+        for writer in (self.metrics, self.completions, self.evals):
+            if writer is not None:
+                writer.close()

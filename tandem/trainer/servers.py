@@ -2,68 +2,84 @@
 from, pushes and their checks. Every rank connects and generates; rank 0 alone pushes."""
 
 import os
-import socket
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
 from tandem.rollout.weights import StagedWeights, fingerprint, in_name_order
-from tandem.trainer.config import TrainConfig
 from tandem.trainer.setup import trainer_threads
 
 Named = list[tuple[str, torch.Tensor]] | StagedWeights  # StagedWeights when training is sharded
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """The rollout servers of a run and how to talk to them (TrainConfig's values)."""
+
+    urls: list[str]
+    api_key: str | None
+    connect_timeout: float
+    request_timeout: float
+    server_timeout: float
+    transport: str
+    adapters: bool  # LoRA: pushes hold adapters, checked against the base the servers hold
+    verify: bool  # verify_weight_sync: every push's fingerprint checked
+    model: str  # model_name_or_path, for the messages
+    run_name: str  # where the run is, for a server another run holds
+
+
 class Servers:
-    def __init__(self, config: TrainConfig, vocab_size: int, world: int, is_main: bool):
-        """Wait for every server to be ready and check it can serve this tokenizer's vocabulary."""
-        self.config = config
+    def __init__(self, options: ServerOptions, vocab_size: int, world: int, is_main: bool, share_cores: bool):
+        """Wait for every server to be ready and check it can serve this tokenizer's vocabulary.
+        `share_cores` (async mode): training overlaps generation, so the trainer leaves the
+        cores of servers on this host free (in sync mode the two take turns)."""
+        self.options = options
         self.client = RolloutClient(
-            config.rollout_server_urls,
-            api_key=config.rollout_api_key,
-            connect_timeout=config.rollout_connect_timeout,
-            request_timeout=config.rollout_request_timeout,
-            server_timeout=config.rollout_server_timeout,
-            transport=config.weight_transport,
+            options.urls,
+            api_key=options.api_key,
+            connect_timeout=options.connect_timeout,
+            request_timeout=options.request_timeout,
+            server_timeout=options.server_timeout,
+            transport=options.transport,
         )
         self.engine = RemoteEngine(self.client)
         self.infos = self.client.wait_until_ready()
         sharing = trainer_threads(self.infos, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if sharing is not None and config.async_generate:  # in sync mode the two take turns
+        if sharing is not None and share_cores:
             torch.set_num_threads(sharing[0])
             if is_main:
                 print(f"tandem: {sharing[1]}", flush=True)
-        for url, info in zip(config.rollout_server_urls, self.infos):
+        for url, info in zip(options.urls, self.infos):
             if info["vocab_size"] < vocab_size:
                 raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {vocab_size}")
 
     @property
     def _key(self) -> str:
         """The fingerprint that says whether a server holds what we push."""
-        return "adapter_fingerprint" if self.config.use_peft else "fingerprint"
+        return "adapter_fingerprint" if self.options.adapters else "fingerprint"
 
     def start(self, policy: Named, base: Named | None, version: int, run_id: str) -> None:
         """Rank 0, before any generation: hold every server for this run (refused when another
         run holds one), and make each hold our weights and version. A server left running by an
         earlier (crashed) trainer of this run takes this trainer's. With LoRA (`base` given), a
         server whose base weights are not ours is refused."""
-        self.client.claim(run_id, f"in {Path(self.config.output_dir).resolve()} on {socket.gethostname()} (pid {os.getpid()})")
+        self.client.claim(run_id, self.options.run_name)
         served = self.client.fingerprints()
         if base is not None:
-            expected = dict(zip(self.config.rollout_server_urls, self._served_as(base)))
+            expected = dict(zip(self.options.urls, self._served_as(base)))
             self._check_base(served, expected)
             # A server that restarts mid-run may come back with another model: checked again
             # before it gets an adapter (issue 27: a run trained on against another base).
             self.client.check_new_process = lambda url: self._check_base([self.client.fingerprint(url)], {url: expected[url]})
         mine = fingerprint(policy)
         if any(fp.get(self._key) != mine or fp["version"] != version for fp in served):
-            self.engine.push(policy, version=version, force=True, adapter=self.config.use_peft)
+            self.engine.push(policy, version=version, force=True, adapter=self.options.adapters)
 
     def push(self, policy: Named, version: int) -> None:
         """Rank 0: make `version` live on every server, checked when verify_weight_sync."""
-        self.engine.push(policy, version, adapter=self.config.use_peft)
-        if self.config.verify_weight_sync:
+        self.engine.push(policy, version, adapter=self.options.adapters)
+        if self.options.verify:
             self._verify(policy, version)
 
     def close(self) -> None:
@@ -82,7 +98,7 @@ class Servers:
     def _check_base(self, served: list[dict], expected: dict[str, str]) -> None:
         """LoRA: each server's base weights (its full weights, under an adapter or not) hash to
         `expected[url]`, our base's fingerprint in that server's dtype."""
-        model = self.config.model_name_or_path
+        model = self.options.model
         for (url, mine), fp in zip(expected.items(), served):
             theirs = fp.get("base_fingerprint") or fp["fingerprint"]
             if theirs != mine:
@@ -95,8 +111,8 @@ class Servers:
         """Hash our weights in each server's dtype (its copy rounds the same way) and compare;
         adapters are hashed as sent (the server keeps them as received)."""
         served = self.client.fingerprints()
-        mine_each = [fingerprint(policy)] * len(served) if self.config.use_peft else self._served_as(policy)
-        for url, fp, mine in zip(self.config.rollout_server_urls, served, mine_each):
+        mine_each = [fingerprint(policy)] * len(served) if self.options.adapters else self._served_as(policy)
+        for url, fp, mine in zip(self.options.urls, served, mine_each):
             if fp.get(self._key) != mine or fp["version"] != version:
                 raise RolloutServerError(
                     f"rollout server {url} holds different weights after the push of version {version} "

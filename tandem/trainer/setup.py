@@ -1,8 +1,8 @@
 """Building what the loop uses: the prompt table, the policy with its optimizer and schedule,
 and the reference model. Plain objects out; the loop decides what to do with them."""
 
-import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,7 +12,7 @@ from tandem.data import DataError, encode_prompt, load_prompt_dataset
 from tandem.rollout.weights import host_id
 from tandem.trainer.batch import PrefixSharingLM
 from tandem.trainer import lora
-from tandem.trainer.config import ConfigError, TrainConfig
+from tandem.trainer.config import ConfigError
 from tandem.trainer.producer import PromptTable
 
 
@@ -36,28 +36,38 @@ def load_tokenizer(name: str):
     return tokenizer, max_len
 
 
-def load_prompts(config: TrainConfig, tokenizer, dataset: str | None = None, max_len: int | None = None) -> tuple[PromptTable, int]:
-    """Encode every prompt once (of dataset_name, or of `dataset`); returns the table and how
-    many prompts were skipped as too long. A prompt that leaves less than max_completion_length
-    of the model's `max_len` positions is an error naming its row: the engine and the trainer's
-    forward would run past the positions the model knows."""
-    source = dataset or config.dataset_name
-    ds = load_prompt_dataset(source, config.dataset_split, config.dataset_config)
+@dataclass(frozen=True)
+class PromptOptions:
+    """How a dataset's prompts are read and encoded (TrainConfig's values)."""
+
+    split: str
+    config_name: str | None
+    max_prompt_length: int | None
+    truncation: str
+    max_completion_length: int
+
+
+def load_prompts(source: str, tokenizer, options: PromptOptions, max_len: int | None = None) -> tuple[PromptTable, int]:
+    """Encode every prompt of the dataset `source` once; returns the table and how many prompts
+    were skipped as too long. A prompt that leaves less than max_completion_length of the model's
+    `max_len` positions is an error naming its row: the engine and the trainer's forward would
+    run past the positions the model knows."""
+    ds = load_prompt_dataset(source, options.split, options.config_name)
     others = [c for c in ds.column_names if c != "prompt"]
     table = PromptTable(prompts=[], prompt_ids=[], columns={c: [] for c in others}, conversational=[])
     skipped = 0
     for i, row in enumerate(ds):
         try:
-            ids = encode_prompt(tokenizer, row["prompt"], config.max_prompt_length, config.prompt_truncation)
+            ids = encode_prompt(tokenizer, row["prompt"], options.max_prompt_length, options.truncation)
         except DataError as exc:
             raise DataError(f"dataset {source}, row {i}: {exc}") from None
         if ids is None:
             skipped += 1
             continue
-        if max_len is not None and len(ids) + config.max_completion_length > max_len:
+        if max_len is not None and len(ids) + options.max_completion_length > max_len:
             raise DataError(
-                f"dataset {source}, row {i}: its prompt of {len(ids)} tokens and max_completion_length={config.max_completion_length} "
-                f"need {len(ids) + config.max_completion_length} positions, more than the model's max_position_embeddings={max_len}; "
+                f"dataset {source}, row {i}: its prompt of {len(ids)} tokens and max_completion_length={options.max_completion_length} "
+                f"need {len(ids) + options.max_completion_length} positions, more than the model's max_position_embeddings={max_len}; "
                 "lower max_completion_length, or max_prompt_length (with prompt_truncation left or skip)"
             )
         table.prompts.append(row["prompt"])
@@ -66,43 +76,49 @@ def load_prompts(config: TrainConfig, tokenizer, dataset: str | None = None, max
         for c in others:
             table.columns[c].append(row[c])
     if not table.prompt_ids:
-        raise DataError(f"all {skipped} prompts of {source} are longer than max_prompt_length={config.max_prompt_length}; raise it")
+        raise DataError(f"all {skipped} prompts of {source} are longer than max_prompt_length={options.max_prompt_length}; raise it")
     return table, skipped
 
 
-def build_policy(config: TrainConfig, resume_dir: Path | None, device, shard=None) -> tuple[torch.nn.Module, PrefixSharingLM | None, torch.optim.Optimizer, object]:
-    """The policy (from the checkpoint when resuming), the frozen reference model when beta > 0
-    (from the starting weights; None with LoRA, whose reference is the policy with its adapters
-    disabled), AdamW over the trainable weights and the learning-rate schedule. `shard` (FSDP)
-    shards the policy and the reference before the optimizer is made over the shards; a sharded
-    checkpoint's weights are loaded into them later, with the optimizer state."""
-    if config.use_peft:
-        model = lora.adapt(config, AutoModelForCausalLM.from_pretrained(config.model_name_or_path), resume_dir)
+@dataclass(frozen=True)
+class PolicyOptions:
+    """The policy, its reference and its optimizer (TrainConfig's values)."""
+
+    model: str  # model_name_or_path
+    reference: bool  # a frozen reference model (beta > 0 without LoRA)
+    lora: lora.LoraOptions | None  # adapters instead of every weight
+    learning_rate: float
+    betas: tuple[float, float]
+    weight_decay: float
+    lr_scheduler_type: str
+    warmup_steps: int
+    max_steps: int
+
+
+def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=None) -> tuple[torch.nn.Module, PrefixSharingLM | None, torch.optim.Optimizer, object]:
+    """The policy (from the checkpoint when resuming), the frozen reference model (from the
+    starting weights), AdamW over the trainable weights and the learning-rate schedule. `shard`
+    (FSDP) shards the policy and the reference before the optimizer is made over the shards; a
+    sharded checkpoint's weights are loaded into them later, with the optimizer state."""
+    if options.lora is not None:
+        model = lora.adapt(options.lora, AutoModelForCausalLM.from_pretrained(options.model), resume_dir)
     else:
         if resume_dir is not None and (resume_dir / "adapter_config.json").is_file():
             raise ConfigError(f"checkpoint {resume_dir} holds LoRA adapters: resume it with use_peft true")
         full = resume_dir is not None and shard is None
-        model = AutoModelForCausalLM.from_pretrained(resume_dir if full else config.model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(resume_dir if full else options.model)
     if shard is not None:
         model = shard(model)
     ref_model = None
-    if config.beta != 0.0 and not config.use_peft:
-        ref = AutoModelForCausalLM.from_pretrained(config.model_name_or_path)
+    if options.reference:
+        ref = AutoModelForCausalLM.from_pretrained(options.model)
         ref = ref.to(device) if shard is None else shard(ref)  # sharding moves each unit to the device itself
         ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=config.learning_rate,
-        betas=(config.adam_beta1, config.adam_beta2),
-        weight_decay=config.weight_decay,
+        [p for p in model.parameters() if p.requires_grad], lr=options.learning_rate, betas=options.betas, weight_decay=options.weight_decay
     )
     # Stepped by hand once per optimizer step: accelerate's prepared scheduler would step once per process.
-    scheduler = get_scheduler(
-        config.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=math.ceil(config.warmup_ratio * config.max_steps),
-        num_training_steps=config.max_steps,
-    )
+    scheduler = get_scheduler(options.lr_scheduler_type, optimizer, num_warmup_steps=options.warmup_steps, num_training_steps=options.max_steps)
     return model, ref_model, optimizer, scheduler
 
 

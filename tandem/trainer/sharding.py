@@ -38,14 +38,13 @@ class Plan:
     layer_classes: list[str] | None  # class names of the units; None: the model's _no_split_modules
 
 
-def plan(config: TrainConfig) -> Plan | None:
-    """The run's sharding, from fsdp and fsdp_config; None for DDP."""
-    if not config.fsdp:
+def plan(fsdp: str, options: dict) -> Plan | None:
+    """The run's sharding, from fsdp and fsdp_config (its fsdp_ prefixes dropped); None for DDP."""
+    if not fsdp:
         return None
-    options = config.fsdp_options()
     layers = options.get("transformer_layer_cls_to_wrap")
     return Plan(
-        reshard_after_forward=options.get("reshard_after_forward", "shard_grad_op" not in config.fsdp.split()),
+        reshard_after_forward=options.get("reshard_after_forward", "shard_grad_op" not in fsdp.split()),
         layer_classes=[layers] if isinstance(layers, str) else layers,
     )
 

@@ -1,0 +1,320 @@
+"""Building a run: the one place that reads TrainConfig. It resolves the mode (colocated, server
+sync, server async), the distribution (DDP or FSDP) and LoRA once, into small objects with one
+job each (tandem.trainer.loop uses them and branches on none of these):
+
+  dist          this process among the training processes, and every collective
+  state         TrainState: step, version, round, data position (fresh, or the checkpoint's)
+  learner       the policy, its optimizer, schedule and reference; log-probs and the update
+  producer      the rounds of scored rollouts, generated in turn or ahead
+  sync          the new weights live on the engine after each round
+  checkpointer  saves the run at a round's end
+  log           metrics.jsonl, completions.jsonl, eval.jsonl, trackers, the progress bar
+  evaluator     evaluation on held-out prompts (with eval_dataset)
+
+The order of the steps is the order of their effects: nothing is written into output_dir before
+the resume-or-fresh decision, cheap checks (rewards, tokenizer, dataset) come before the model
+loads, the weights draw from the seeded RNG in the same order in every run, and a resume's RNG
+state is set last, after everything that draws at setup.
+"""
+
+import json
+import math
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import InitProcessGroupKwargs, set_seed
+
+from tandem import rewards as rewards_lib
+from tandem.data import GroupSampler
+from tandem.rollout.engine import TransformersEngine, eos_token_ids
+from tandem.trainer import checkpoint, lora, metrics, sharding
+from tandem.trainer.batch import PrefixSharingLM
+from tandem.trainer.config import TrainConfig, resume_changes
+from tandem.trainer.dist import Dist
+from tandem.trainer.eval import Evaluator
+from tandem.trainer.learner import Learner, LossSettings
+from tandem.trainer.producer import AsyncProducer, SyncProducer
+from tandem.trainer.servers import ServerOptions, Servers
+from tandem.trainer.setup import PolicyOptions, PromptOptions, build_policy, load_prompts, load_tokenizer, resolve_bf16
+from tandem.trainer.state import TrainState
+from tandem.trainer.sync import WeightSync
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The loop's plain values: how a round is cut into steps, and when to save and evaluate."""
+
+    max_steps: int
+    num_generations: int
+    scale_rewards: str
+    num_iterations: int
+    steps_per_pass: int  # optimizer steps per pass over a round
+    grad_accum: int  # micro-batches per optimizer step
+    micro_batch: int  # completions per micro-batch
+    max_completion_length: int
+    mask_truncated: bool
+    seed: int
+    save_steps: int
+    eval_steps: int
+    server: bool  # a rollout server generates: behaviour log-probs from other numerics
+    asynchronous: bool
+    dynamic_sample: bool
+    output_dir: str
+
+
+@dataclass
+class Run:
+    """What build() makes of a config, for the loop."""
+
+    schedule: Schedule
+    dist: Dist
+    state: TrainState
+    learner: Learner
+    producer: SyncProducer
+    sync: WeightSync
+    checkpointer: checkpoint.Checkpointer
+    log: metrics.RunLog
+    evaluator: Evaluator | None
+    tokenizer: object
+    reward_fns: list
+    skipped_prompts: int
+    servers: Servers | None
+    pushes: sharding.Pushes | None
+
+    def close(self, ok: bool = True) -> None:
+        """After a failure the process group is left alone: destroying it could wait on a rank
+        that is stuck in a collective; the launcher ends the other ranks when this one exits."""
+        self.producer.close(ok)
+        rewards_lib.close_rewards(self.reward_fns)
+        if self.servers is not None:
+            self.servers.close()
+            self.pushes.close()
+        self.log.close()
+        self.dist.close()
+        if ok:
+            self.dist.accelerator.end_training()
+
+
+def build(config: TrainConfig) -> Run:
+    config.validate()
+    config.bf16, bf16_warning = resolve_bf16(config.bf16)
+    set_seed(config.seed)
+    dist = Dist(_accelerator(config))
+    sharding.from_accelerate_config(config)
+    plan = sharding.plan(config.fsdp, config.fsdp_options())  # None: DDP
+    if plan is not None and dist.world == 1:
+        sharding.init_single_process(dist.device)
+    out = Path(config.output_dir)
+    resume_dir, saved = _resume_or_fresh(config, dist, plan is not None, bf16_warning)
+
+    # Cheap checks first: reward functions and the dataset fail before the model loads.
+    reward_fns = config.load_rewards()
+    tokenizer, max_len = load_tokenizer(config.model_name_or_path)
+    prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length)
+    table, skipped = load_prompts(config.dataset_name, tokenizer, prompts, max_len)
+    eval_table = load_prompts(config.eval_dataset, tokenizer, prompts, max_len)[0] if config.eval_dataset else None
+    if skipped and dist.is_main:
+        print(f"tandem: skipped {skipped} prompts longer than max_prompt_length={config.max_prompt_length}")
+
+    learner = _learner(config, dist, plan, resume_dir, tokenizer.pad_token_id)
+    state = TrainState.from_checkpoint(saved) if saved else TrainState()
+    servers = pushes = None
+    if config.rollout_mode == "server":
+        servers, pushes, push = _servers(config, dist, learner, state, len(tokenizer), plan is not None)
+        engine = servers.engine
+    else:
+        eos_ids = eos_token_ids(tokenizer, learner.lm.generation_config, config.model_name_or_path)
+        all_done = None if plan is None else lambda done: sharding.all_done(done, dist.device)
+        engine, push = TransformersEngine(learner.lm, eos_ids, tokenizer.pad_token_id, state.version, all_done), None
+    engine.version = state.version
+    producer = _producer(config, dist, table, tokenizer, reward_fns, engine)
+    if not saved:
+        state.sampler = producer.sampler.state_dict()
+    checkpointer = checkpoint.Checkpointer(out, dist, learner, producer, tokenizer, config.to_dict(), config.save_total_limit, plan is not None)
+    ready = checkpointer.restore_rank(resume_dir) if resume_dir else []
+    if resume_dir:
+        producer.sampler.load_state_dict(saved["sampler"])
+        _resume_logs(out, dist, resume_dir, state)
+    producer.start(state.round, ready)
+    producer.set_live_version(state.version)
+    last_step = config.max_steps
+    sync = WeightSync(engine, producer, dist, push, config.max_staleness if config.async_generate else None, last_step)
+    log = metrics.RunLog(out, dist.accelerator, dist.is_main, eval_table is not None, config.num_completions_to_log, last_step, not config.disable_tqdm)
+    evaluator = None
+    if eval_table is not None:
+        evaluator = Evaluator(engine, tokenizer, eval_table, reward_fns, config.sampling_params(), config.eval_num_generations, config.eval_greedy,
+                              config.seed, config.eval_pass_threshold, dist, every_rank=plan is not None and servers is None)  # fmt: skip
+    return Run(_schedule(config), dist, state, learner, producer, sync, checkpointer, log, evaluator, tokenizer, reward_fns, skipped, servers, pushes)
+
+
+def _accelerator(config: TrainConfig) -> Accelerator:
+    # accelerate keeps one process-wide state and refuses another mixed precision once it is set:
+    # a second run in this process (a notebook, a sweep, the tests) starts from a clean one. The
+    # process group (PartialState) is kept.
+    AcceleratorState._reset_state()
+    return Accelerator(
+        mixed_precision="bf16" if config.bf16 else "no",
+        # Every collective gets a finite timeout: a rank that died can never hang the others forever.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))],
+        log_with=metrics.log_with(config.report_to),
+        project_dir=config.output_dir,
+        # accelerate only sets up a multi-process CPU run (gloo) under torchrun when told it is on CPU
+        cpu=not torch.cuda.is_available(),
+    )
+
+
+def _resume_or_fresh(config: TrainConfig, dist: Dist, sharded: bool, bf16_warning: str | None) -> tuple[Path | None, dict | None]:
+    """Resume or a fresh run, decided before anything is written into output_dir; then rank 0
+    writes the resolved config, says what changed, and the trackers start. Resuming: the weights
+    come from the checkpoint, everything else from its state files."""
+    out = Path(config.output_dir)
+    resume_dir = checkpoint.resolve(config.resume_from_checkpoint, out) if config.resume_from_checkpoint else None
+    saved = json.loads((resume_dir / "trainer_state.json").read_text()) if resume_dir else None
+    changes = []
+    if saved:
+        checkpoint.check_resume(resume_dir, saved, dist.world, sharded)
+        changes = resume_changes(yaml.safe_load((resume_dir / "config.yaml").read_text()), config)
+    else:
+        checkpoint.check_writable(out)
+        checkpoint.check_fresh(out, config.overwrite_output_dir, dist.is_main)
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
+        (out / "config.yaml").write_text(resolved)
+        print(f"tandem: resolved config ({dist.world} process(es))\n{resolved}", flush=True)
+        if changes:
+            print(f"tandem: resuming {resume_dir} with changed options: {'; '.join(changes)}", flush=True)
+        for warning in config.warnings() + ([bf16_warning] if bf16_warning else []):
+            print(f"tandem: warning: {warning}", file=sys.stderr, flush=True)
+    if metrics.log_with(config.report_to):
+        dist.accelerator.init_trackers("tandem", config=metrics.hyperparameters(config.to_dict()), init_kwargs={"wandb": {"dir": str(out)}})
+    return resume_dir, saved
+
+
+def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad_id: int) -> Learner:
+    """The policy (the checkpoint's when resuming), prepared: DDP wraps a whole copy, FSDP has
+    sharded it already; the gradient-sync switch of either; the optimizer's and schedule's state."""
+    options = PolicyOptions(
+        model=config.model_name_or_path,
+        reference=config.beta != 0.0 and not config.use_peft,
+        lora=lora.LoraOptions(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules, config.lora_modules_to_save,
+                              config.model_name_or_path) if config.use_peft else None,  # fmt: skip
+        learning_rate=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        weight_decay=config.weight_decay,
+        lr_scheduler_type=config.lr_scheduler_type,
+        warmup_steps=math.ceil(config.warmup_ratio * config.max_steps),
+        max_steps=config.max_steps,
+    )
+    shard = None if plan is None else lambda m: sharding.shard(m, plan, config.bf16, dist.device)
+    model, ref_model, optimizer, scheduler = build_policy(options, resume_dir, dist.device, shard)
+    # The trainer's forward goes through PrefixSharingLM; the engine, pushes and checkpoints use the LM inside.
+    if plan is None:
+        wrapped, optimizer = dist.accelerator.prepare(PrefixSharingLM(model), optimizer)
+    else:  # sharded already; prepare would wrap it in DDP
+        wrapped, optimizer = PrefixSharingLM(model), dist.accelerator.prepare(optimizer)
+    # Toggle the gradient sync instead of entering no_sync(): the same effect without a context
+    # manager around the forward (nanoGPT does the same with require_backward_grad_sync).
+    if plan is not None:
+        grad_sync = model.set_requires_gradient_sync
+    elif hasattr(wrapped, "require_backward_grad_sync"):  # DDP
+        grad_sync = lambda on: setattr(wrapped, "require_backward_grad_sync", on)  # noqa: E731
+    else:  # one process: nothing to sync
+        grad_sync = lambda on: None  # noqa: E731
+    if resume_dir is not None and plan is not None:  # the weights and optimizer state of this rank's shards
+        sharding.load_checkpoint(model, optimizer.optimizer, resume_dir)
+    elif resume_dir is not None:
+        optimizer.load_state_dict(torch.load(resume_dir / "optimizer.pt", weights_only=True))
+    if resume_dir is not None:
+        scheduler.load_state_dict(torch.load(resume_dir / "scheduler.pt", weights_only=True))
+    loss = LossSettings(
+        config.loss_type, config.epsilon, config.epsilon_high, config.delta, config.importance_sampling_level, config.beta, config.temperature,
+        config.mask_truncated_completions, config.off_policy_correction, config.importance_sampling_cap, config.importance_sampling_clip_min,
+    )  # fmt: skip
+    return Learner(wrapped, optimizer, scheduler, ref_model, dist, pad_id, loss, config.per_device_train_batch_size, config.max_grad_norm,
+                   config.on_nonfinite, lockstep=plan is not None, grad_sync=grad_sync)  # fmt: skip
+
+
+def _servers(config: TrainConfig, dist: Dist, learner: Learner, state: TrainState, vocab_size: int, sharded: bool):
+    """Server mode: the servers, held for this run and holding its weights and version, and the
+    push that makes each new version live on them (a collective: sharded weights are gathered
+    on every rank, and staged on disk by rank 0, the one that pushes)."""
+    name = f"in {Path(config.output_dir).resolve()} on {socket.gethostname()} (pid {os.getpid()})"
+    options = ServerOptions(config.rollout_server_urls, config.rollout_api_key, config.rollout_connect_timeout, config.rollout_request_timeout,
+                            config.rollout_server_timeout, config.weight_transport, config.use_peft, config.verify_weight_sync,
+                            config.model_name_or_path, name)  # fmt: skip
+    servers = Servers(options, vocab_size, dist.world, dist.is_main, share_cores=config.async_generate)
+    pushes = sharding.Pushes(Path(config.output_dir), servers.client.bucket_bytes, dist.is_main)
+
+    def policy_collective(version: int):
+        """What a push sends: every weight, or with LoRA the adapters. Sharded, the weights are
+        gathered and staged on disk a bucket at a time (rank 0 gets them, the other ranks None);
+        the last push's staging stays: it is the client's copy for a restarted server."""
+        if sharded:
+            dist.enter("gather weights")
+            return pushes.stage(learner.lm.named_parameters(), version)
+        return lora.adapter_weights(learner.lm) if config.use_peft else list(learner.lm.named_parameters())
+
+    def push_collective(version: int) -> None:
+        policy = policy_collective(version)
+        if dist.is_main:
+            servers.push(policy, version)
+
+    policy = policy_collective(state.version)
+    if dist.is_main:
+        servers.start(policy, lora.base_weights(learner.lm) if config.use_peft else None, state.version, state.run_id)
+    dist.barrier_collective("servers hold the run's weights")
+    return servers, pushes, push_collective
+
+
+def _producer(config: TrainConfig, dist: Dist, table, tokenizer, reward_fns, engine) -> SyncProducer:
+    """The rounds, from this rank's share of the prompt stream: generated when the loop asks
+    (sync), or ahead of it in a background thread (async)."""
+    G = config.num_generations
+    sampler = GroupSampler(len(table.prompt_ids), config.completions_per_round() // G, config.seed, dist.rank, dist.world, config.shuffle_dataset)
+    args = (table, sampler, engine, tokenizer, reward_fns, config.sampling_params(), G, config.seed)
+    resample = {"max_resample_times": config.max_resample_times if config.dynamic_sample else None}
+    if not config.async_generate:
+        return SyncProducer(*args, **resample)
+    last_round = math.ceil(config.max_steps / config.steps_per_round()) - 1
+    return AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=config.round_timeout(), last_round=last_round, **resample)
+
+
+def _resume_logs(out: Path, dist: Dist, resume_dir: Path, state: TrainState) -> None:
+    """Lines the dead run logged after its checkpoint are dropped, and a last one cut short."""
+    if not dist.is_main:
+        return
+    for log in ("metrics.jsonl", "completions.jsonl", "eval.jsonl"):
+        torn = metrics.truncate_log(out / log, state.step)
+        if torn:
+            print(f"tandem: warning: {torn}", file=sys.stderr, flush=True)
+    print(f"tandem: resumed from {resume_dir} at step {state.step}, policy version {state.version}", flush=True)
+
+
+def _schedule(config: TrainConfig) -> Schedule:
+    return Schedule(
+        max_steps=config.max_steps,
+        num_generations=config.num_generations,
+        scale_rewards=config.scale_rewards,
+        num_iterations=config.num_iterations,
+        steps_per_pass=config.steps_per_generation // config.gradient_accumulation_steps,
+        grad_accum=config.gradient_accumulation_steps,
+        micro_batch=config.per_device_train_batch_size,
+        max_completion_length=config.max_completion_length,
+        mask_truncated=config.mask_truncated_completions,
+        seed=config.seed,
+        save_steps=config.save_steps,
+        eval_steps=config.eval_steps,
+        server=config.rollout_mode == "server",
+        asynchronous=config.async_generate,
+        dynamic_sample=config.dynamic_sample,
+        output_dir=config.output_dir,
+    )

@@ -1,0 +1,55 @@
+"""The training processes as the trainer sees them: this one's rank, the world, the device, and
+every collective the trainer runs between them. A method that runs a collective ends in
+`_collective`; every rank must call the same ones in the same order, or they wait on each other
+until ddp_timeout.
+
+With TANDEM_TRACE_COLLECTIVES=<folder>, each rank appends the name of every collective it enters
+to <folder>/rank<r>.txt (the collectives inside sharded forwards and DDP's backward included), so
+a test can check that the ranks' sequences are the same.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+
+TRACE = "TANDEM_TRACE_COLLECTIVES"
+
+
+class Dist:
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.rank = accelerator.process_index
+        self.world = accelerator.num_processes
+        self.is_main = accelerator.is_main_process
+        self.device = accelerator.device
+        folder = os.environ.get(TRACE)
+        self._trace = open(Path(folder) / f"rank{self.rank}.txt", "a") if folder else None
+
+    def enter(self, name: str) -> None:
+        """Record a collective about to run (a no-op unless tracing)."""
+        if self._trace is not None:
+            self._trace.write(name + "\n")
+            self._trace.flush()
+
+    def gather_collective(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's `t`, concatenated in rank order along dim 0 (back on the CPU)."""
+        self.enter(f"gather {what}")
+        if self.world == 1:
+            return t
+        return self.accelerator.gather(t.to(self.device)).cpu()
+
+    def sum_collective(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """The sum of every rank's `t` (back on the CPU)."""
+        self.enter(f"sum {what}")
+        if self.world == 1:
+            return t
+        return self.accelerator.reduce(t.to(self.device), reduction="sum").cpu()
+
+    def barrier_collective(self, what: str) -> None:
+        self.enter(f"barrier {what}")
+        self.accelerator.wait_for_everyone()
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
