@@ -264,13 +264,27 @@ def command(procs: int, args: list, launcher: str = "torchrun") -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def train(procs, args, timeout=300, launcher="torchrun", separate=False):
+def train(procs, args, timeout=300, launcher="torchrun", separate=False, trace: Path | None = None):
     """A run that must succeed: one process in this one (cli_here) unless `separate`, several
     under the launcher. A one-process fsdp run is separate: it makes a process group of one,
-    which would outlive it in this process."""
+    which would outlive it in this process. `trace`: a folder where each rank records the
+    collectives it enters (TANDEM_TRACE_COLLECTIVES)."""
     if procs == 1 and not separate:
         proc = cli_here("train", *args, timeout=timeout)
     else:
-        proc = subprocess.run(command(procs, args, launcher), capture_output=True, text=True, timeout=timeout, env=ENV)
+        env = ENV if trace is None else {**ENV, "TANDEM_TRACE_COLLECTIVES": str(trace)}
+        if trace is not None:
+            trace.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(command(procs, args, launcher), capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def same_collectives(trace: Path, procs: int = 2) -> list[str]:
+    """The collectives rank 0 entered, checked to be exactly those of every other rank, in order:
+    a rank that calls one the others do not waits in it until ddp_timeout."""
+    sequences = [(trace / f"rank{r}.txt").read_text().splitlines() for r in range(procs)]
+    for r, seq in enumerate(sequences[1:], start=1):
+        first = next((i for i, (a, b) in enumerate(zip(sequences[0], seq)) if a != b), min(len(seq), len(sequences[0])))
+        assert seq == sequences[0], f"rank {r} differs from rank 0 at collective {first}: {seq[first:first + 3]} against {sequences[0][first:first + 3]}"
+    return sequences[0]

@@ -10,7 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ENV, Server, cli_here, command, kill_server_mid_run, train, wait_for_step
+from conftest import ENV, Server, cli_here, command, kill_server_mid_run, same_collectives, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.trainer import checkpoint
 
@@ -80,7 +80,13 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
     if mode == "server_async":
         extra += ["--async_generate", "true", "--max_staleness", "1"]
     train(1, base_args(tiny_model, data, tmp_path / "one", 32, *extra))
-    train(2, base_args(tiny_model, data, tmp_path / "two", 16, *extra), launcher="accelerate" if mode.endswith("accelerate") else "torchrun")
+    train(2, base_args(tiny_model, data, tmp_path / "two", 16, *extra), launcher="accelerate" if mode.endswith("accelerate") else "torchrun",
+          trace=tmp_path / "trace")  # fmt: skip
+    # Both ranks ran the same collectives in the same order (tandem.trainer.dist), those of the mode.
+    collectives = same_collectives(tmp_path / "trace")
+    assert collectives.count("gather rewards") == 4 and collectives.count("backward (gradients synced)") == 4
+    assert ("barrier servers hold the run's weights" in collectives) == mode.startswith("server")
+    assert ("barrier rounds ahead generated" in collectives) == (mode == "server_async")
     (one, one_c), (two, two_c) = read(tmp_path / "one"), read(tmp_path / "two")
     assert len(one) == len(two) == 4  # rank 0 alone writes the log
     assert [m["reward"] for m in one] == [m["reward"] for m in two]  # the same completions, gathered

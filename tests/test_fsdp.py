@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import GenerationConfig
 
-from conftest import ENV, Server, cli_here, command, free_port, kill_server_mid_run, restart_server_mid_run, train
+from conftest import ENV, Server, cli_here, command, free_port, kill_server_mid_run, restart_server_mid_run, same_collectives, train
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.weights import StagedWeights, buckets, fingerprint
 from tandem.trainer.config import ConfigError, TrainConfig
@@ -86,7 +86,7 @@ def colocated(ender, data, tmp_path_factory):
     root = tmp_path_factory.mktemp("colocated")
     held_out = write_jsonl(addition_rows(1)[:6], root / "held_out.jsonl")
     extra = ["--beta", "0.04", "--eval_dataset", held_out, "--eval_num_generations", "2"]
-    train(2, args(ender, data, root / "fsdp", 8, *extra, "--fsdp", "full_shard", "--save_steps", "2"))
+    train(2, args(ender, data, root / "fsdp", 8, *extra, "--fsdp", "full_shard", "--save_steps", "2"), trace=root / "trace")
     train(2, args(ender, data, root / "ddp", 8, *extra))
     train(1, args(ender, data, root / "one", 16, *extra))
     train(1, args(ender, data, root / "fsdp1", 16, *extra, "--fsdp", "full_shard"), separate=True)  # a process group of one
@@ -100,6 +100,11 @@ def test_fsdp_on_two_processes_trains_like_ddp_and_like_one_process(colocated):
     rounds = [[c["completion_tokens"] for c in one if c["step"] == step] for step in range(1, 5)]
     assert all(len(r) == 16 for r in rounds)
     assert any(max(r[:8]) != max(r[8:]) for r in rounds), rounds
+    # Every sharded forward, decoding step, gather and checkpoint is a collective: the ranks'
+    # sequences are the same, and hold each kind.
+    collectives = same_collectives(colocated / "trace")
+    kinds = {"forward (sharded)", "forward (sharded, no gradient)", "all sequences done (sharded decoding)", "evaluation (sharded engine)", "checkpoint: shards"}
+    assert kinds <= set(collectives), kinds - set(collectives)
     assert_trains_alike(colocated / "fsdp", colocated / "ddp")
     assert_trains_alike(colocated / "fsdp", colocated / "one")
     assert_trains_alike(colocated / "fsdp1", colocated / "one")
@@ -182,7 +187,7 @@ def server_args(ender, data, out, url, mode, *extra):
 def sharded_sync(ender, data, server, tmp_path_factory):
     """fsdp on 2 processes with the server, in sync mode."""
     out = tmp_path_factory.mktemp("server") / "fsdp"
-    train(2, server_args(ender, data, out, server.url, "sync", "--fsdp", "full_shard"))
+    train(2, server_args(ender, data, out, server.url, "sync", "--fsdp", "full_shard"), trace=out.parent / "trace-sync")
     return out
 
 
@@ -191,7 +196,9 @@ def test_fsdp_with_a_rollout_server_trains_like_ddp_and_pushes_what_it_trains(en
     sharded = sharded_sync
     if mode == "async":
         sharded = tmp_path / "fsdp"
-        train(2, server_args(ender, data, sharded, server.url, mode, "--fsdp", "full_shard"))
+        train(2, server_args(ender, data, sharded, server.url, mode, "--fsdp", "full_shard"), trace=tmp_path / "trace-async")
+    collectives = same_collectives(sharded.parent / f"trace-{mode}")
+    assert "gather weights" in collectives and ("barrier rounds ahead generated" in collectives) == (mode == "async")
     train(2, server_args(ender, data, tmp_path / "ddp", server.url, mode))
     assert_trains_alike(sharded, tmp_path / "ddp")  # and verify_weight_sync checked every push's fingerprint
     assert not list(sharded.glob(".push-*")), "the staged pushes are removed at the end"

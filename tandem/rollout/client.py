@@ -132,7 +132,7 @@ class RolloutClient:
             health = self.session.get(url + "/health", timeout=self.timeout).json()
         except (requests.RequestException, ValueError):
             return  # still down
-        if health.get("status") == "ready" and health.get("instance_id") != instance:
+        if health.get("instance_id") != instance:  # still loading or ready: either way it lost our weights and updates
             raise _Restarted(url, down_seconds)
 
     def _resync(self, restarted: _Restarted) -> None:

@@ -360,6 +360,7 @@ class RolloutService:
     def reserve(self, update_id: str, nbytes: int) -> None:
         """Before a chunk's body is read: the update must exist and have room for nbytes more.
         So no request can make the server allocate more than the model's own size."""
+        self._need_engine()  # a process still loading holds no update: 503, which clients retry
         with self._cv:
             staged = self._staged.get(update_id)
             if staged is None:

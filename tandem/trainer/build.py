@@ -132,7 +132,7 @@ def build(config: TrainConfig) -> Run:
         engine = servers.engine
     else:
         eos_ids = eos_token_ids(tokenizer, learner.lm.generation_config, config.model_name_or_path)
-        all_done = None if plan is None else lambda done: sharding.all_done(done, dist.device)
+        all_done = None if plan is None else lambda done: dist.all_collective(done, "sequences done (sharded decoding)")
         engine, push = TransformersEngine(learner.lm, eos_ids, tokenizer.pad_token_id, state.version, all_done), None
     engine.version = state.version
     producer = _producer(config, dist, table, tokenizer, reward_fns, engine)

@@ -46,6 +46,16 @@ class Dist:
             return t
         return self.accelerator.reduce(t.to(self.device), reduction="sum").cpu()
 
+    def all_collective(self, flag: bool, what: str) -> bool:
+        """Whether `flag` holds on every rank (a sharded engine's lockstep: decoding goes on until
+        every rank's sequences are done)."""
+        self.enter(f"all {what}")
+        if self.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return bool(t.item())
+
     def barrier_collective(self, what: str) -> None:
         self.enter(f"barrier {what}")
         self.accelerator.wait_for_everyone()

@@ -140,13 +140,6 @@ class Pushes:
             staged.remove()
 
 
-def all_done(done: bool, device: torch.device) -> bool:
-    """Whether every rank is done (its colocated generation finished): a sharded engine's lockstep."""
-    flag = torch.tensor([float(done)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Every rank writes its shards of the weights and of the optimizer state into folder/sharded."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
