@@ -5,7 +5,18 @@ import math
 import pytest
 import torch
 
-from tandem.algo import LOSS_TYPES, Normalisation, group_advantages, importance_weights, policy_loss, token_logprobs
+from tandem.algo import (
+    LOSS_TYPES,
+    Normalisation,
+    entropy_bonus,
+    group_advantages,
+    high_entropy_mask,
+    importance_weights,
+    next_entropy_coef,
+    off_policy_sequence_mask,
+    policy_loss,
+    token_logprobs,
+)
 from tandem.algo.losses import get_reduction
 
 pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
@@ -49,12 +60,100 @@ def test_each_loss_type_normalises_as_worked_out(loss_type, norm, expected):
 
 
 def test_every_registered_loss_type_is_covered():
-    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo"}
+    # each has a worked value above or below: the four clip reductions, then luspo, cispo, sapo, vespo
+    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"}
 
 
 def test_unknown_loss_type_lists_the_valid_names():
-    with pytest.raises(ValueError, match="bnpo, dapo, dr_grpo, grpo"):
+    with pytest.raises(ValueError, match="bnpo, cispo, dapo, dr_grpo, grpo, luspo, sapo, vespo"):
         get_reduction("ppo")
+
+
+def test_luspo_sums_each_sequence_then_averages_over_sequences():
+    # clip losses as above: row 0 sums to -2.7, row 1 to 3.8; (-2.7 + 3.8) / 2 = 0.55, / grad_accum 2
+    loss, _, _ = _loss("luspo", Normalisation(4, grad_accum=2))
+    assert loss.item() == pytest.approx(0.55 / 2, rel=1e-6)
+
+
+def test_cispo_clamps_the_weight_and_keeps_every_tokens_gradient():
+    # epsilon_high 1.2 bounds the weight w = sg(min(r, 1.2)); per token -w A ln r, dapo's sum / 5 tokens:
+    # row 0 (A = 1):  -1.2 ln 1.5 = -0.486558 | 0 | -0.5 ln 0.5 = 0.346574
+    # row 1 (A = -2): 2.2 ln 1.1 = 0.209682 | 1.4 ln 0.7 = -0.499345
+    # sum -0.429647 / 5 = -0.0859294
+    loss, metrics, logprobs = _loss("cispo", Normalisation(4, step_tokens=5.0), epsilon_high=1.2)
+    assert loss.item() == pytest.approx(-0.0859294, rel=1e-5)
+    assert metrics["cispo_clip_ratio"].item() == pytest.approx(0.2)  # r = 1.5 > 1.2 with A > 0: 1 token of 5
+    loss.backward()
+    # d/d ln r of -w A ln r is -w A / 5: the clamped token keeps its gradient (-1.2 / 5), unlike the clip's 0
+    assert logprobs.grad[0, 0].item() == pytest.approx(-1.2 / 5) and logprobs.grad[1, 1].item() == pytest.approx(0.7 * 2 / 5)
+    assert logprobs.grad[1, 2] == 0  # masked
+
+
+def test_sapo_gates_the_ratio_with_a_sigmoid_by_the_advantages_sign():
+    # -(4 / tau) sigmoid(tau (r - 1)) A; tau 1.0 for A > 0, 1.05 for A < 0; grpo's mean of sequence means:
+    # row 0: -4 [s(0.5), s(0), s(-0.5)] = -2.489837, -2, -1.510163; mean -2 (s(x) + s(-x) = 1)
+    # row 1: (4 / 1.05) 2 [s(0.105), s(-0.315)] = 4.009340, 3.214436; mean 3.611888
+    # (-2 + 3.611888) / 2 = 0.805944
+    loss, _, logprobs = _loss("sapo")
+    assert loss.item() == pytest.approx(0.8059441, rel=1e-6)
+    loss.backward()
+    # at r = 1 the gate's slope is 4 s(0)(1 - s(0)) = 1: the gradient of -r A, (1/3 of row 0's mean, / 2 rows)
+    assert logprobs.grad[0, 1].item() == pytest.approx(-1.0 / 3 / 2, rel=1e-6)
+
+
+def test_vespo_weighs_each_sequence_by_a_gamma_of_its_ratio():
+    # w = product of the ratios: row 0 0.75 (A >= 0: k 2, lambda 3), row 1 0.77 (A < 0: k 3, lambda 2)
+    # phi = exp(lambda + k ln w - lambda w): row 0 exp(3 - 0.575364 - 2.25) = 1.190813
+    #                                       row 1 exp(2 - 0.784096 - 1.54) = 0.723182
+    # per token -phi A ln r: row 0 -0.482833, 0, 0.825408; row 1 0.137853, -0.515882; dapo: sum / 5
+    loss, metrics, _ = _loss("vespo", Normalisation(4, step_tokens=5.0))
+    assert loss.item() == pytest.approx(-0.00709064, rel=1e-5)
+    assert metrics["vespo/phi_seq_mean"].item() == pytest.approx((1.1908125 + 0.7231820) / 2, rel=1e-6)
+    # The off-policy weights join w (in log space) instead of multiplying the loss: weights of 2 on
+    # row 0's three tokens make its w 6, phi exp(3 + 2 ln 6 - 18) = 1.1012e-5, and the loss almost row 1's alone.
+    weights = torch.tensor([[2.0, 2.0, 2.0], [1.0, 1.0, 0.0]])
+    weighted, _, _ = _loss("vespo", Normalisation(4, step_tokens=5.0), is_weights=weights)
+    row0 = -math.exp(3 + 2 * math.log(6.0) - 18) * (math.log(1.5) + math.log(0.5))
+    assert weighted.item() == pytest.approx((row0 + 0.1378532 - 0.5158818) / 5, rel=1e-5)
+
+
+def test_the_kl_bias_correction_weighs_the_kl_by_the_ratio_with_its_gradient():
+    # TRL's use_bias_correction_kl: k3 times r (current/proximal), r carrying gradient. Old = current
+    # (r = 1): the value is the plain KL's, the gradient is not: d(k3 r)/d ln pi = dk3/d ln pi + k3.
+    lp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25)]])  # d = ref - lp = -ln 2; k3 = 0.5 + ln 2 - 1 = 0.193147
+    args = dict(loss_type="bnpo", norm=Normalisation(1), beta=1.0, ref_logprobs=ref)
+    plain, _ = policy_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1), **args)
+    (g_plain,) = torch.autograd.grad(plain, lp)
+    corrected, _ = policy_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1), kl_bias_correction=True, **args)
+    (g_corrected,) = torch.autograd.grad(corrected, lp)
+    assert plain.item() == pytest.approx(0.5 + math.log(2) - 1) and corrected.item() == pytest.approx(plain.item())
+    # dk3/d lp = -e^d + 1 = 0.5; plus k3 = 0.193147
+    assert g_plain.item() == pytest.approx(0.5) and g_corrected.item() == pytest.approx(0.5 + 0.5 + math.log(2) - 1)
+
+
+def test_off_policy_sequence_mask_drops_negative_advantage_sequences_that_drifted():
+    # mean KL estimate (sampling - current) per sequence: row 0 0.3, row 1 0.3, row 2 0.05
+    current = torch.zeros(3, 2)
+    sampling = torch.tensor([[0.6, 0.0], [0.3, 0.3], [0.1, float("nan")]])  # NaN: a token the sampler could not score, counted 0
+    mask = torch.ones(3, 2)
+    keep = off_policy_sequence_mask(current, sampling, torch.tensor([1.0, -1.0, -1.0]), mask, threshold=0.2)
+    assert keep.squeeze(-1).tolist() == [1.0, 0.0, 1.0]  # row 0 kept for its positive advantage, row 2 for its low KL
+    # In the loss it leaves the dropped sequence's KL term and its tokens' count in the reduction.
+    loss, _ = policy_loss(RATIOS.log(), torch.zeros(2, 3), ADV, MASK, loss_type="bnpo", norm=Normalisation(4), keep=torch.tensor([[1.0], [0.0]]))
+    assert loss.item() == pytest.approx(-2.7 / 5)
+
+
+def test_high_entropy_tokens_and_the_entropy_bonus():
+    entropy = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.2, 3.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    assert high_entropy_mask(entropy, mask, threshold=0.5).tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]  # the masked 3.0 never
+    # -coef * mean entropy of the masked tokens (0.1 + 0.9 + 0.5 + 0.7 + 0.2 = 2.4 over 5) / grad_accum
+    assert entropy_bonus(entropy, mask, coef=0.5, grad_accum=2).item() == pytest.approx(-0.5 * 0.48 / 2)
+    # adaptive: up by delta at or below the target, down above it, within the bounds
+    assert next_entropy_coef(0.1, world_entropy=0.2, target=0.2, delta=0.05, lowest=0.0, highest=0.12) == 0.12
+    assert next_entropy_coef(0.1, world_entropy=0.3, target=0.2, delta=0.05, lowest=0.0, highest=1.0) == pytest.approx(0.05)
+    assert next_entropy_coef(0.02, world_entropy=0.3, target=0.2, delta=0.05, lowest=0.0, highest=1.0) == 0.0
 
 
 def test_clip_metrics_and_clipped_tokens_get_no_gradient():

@@ -142,3 +142,12 @@ def test_ranks_split_the_single_process_stream():
         parts = [s.next_round() for s in ranks]
         assert parts[0][0] + parts[1][0] == whole
         assert parts[0][1] + parts[1][1] == slots == [0, 1, 2, 3]
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model):
+    # A Qwen3-style switch: the template opens an empty think block when enable_thinking is false.
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    assert prompt_text(tok, ROWS[0]["prompt"]) == "0+1="
+    assert prompt_text(tok, ROWS[0]["prompt"], {"enable_thinking": False}) == "0+1=<think></think>"
+    assert encode_prompt(tok, ROWS[0]["prompt"], None, "error", {"enable_thinking": False}) == tok("0+1=<think></think>", add_special_tokens=False)["input_ids"]

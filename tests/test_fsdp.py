@@ -85,7 +85,9 @@ def colocated(ender, data, tmp_path_factory):
     end (every rank generates when the engine is sharded)."""
     root = tmp_path_factory.mktemp("colocated")
     held_out = write_jsonl(addition_rows(1)[:6], root / "held_out.jsonl")
-    extra = ["--beta", "0.04", "--eval_dataset", held_out, "--eval_num_generations", "2"]
+    # The reference moves toward the policy every 2 steps (sync_ref_model): sharded like the policy,
+    # it is mixed shard by shard, and the step-2 checkpoint holds its shards for the bitwise resume.
+    extra = ["--beta", "0.04", "--eval_dataset", held_out, "--eval_num_generations", "2", "--sync_ref_model", "true", "--ref_model_sync_steps", "2"]
     train(2, args(ender, data, root / "fsdp", 8, *extra, "--fsdp", "full_shard", "--save_steps", "2"), trace=root / "trace")
     train(2, args(ender, data, root / "ddp", 8, *extra))
     train(1, args(ender, data, root / "one", 16, *extra))
@@ -125,7 +127,7 @@ def test_a_sharded_checkpoint_resumes_bitwise_and_exports_as_a_model(colocated, 
     shutil.copytree(colocated / "fsdp", out)
     shutil.rmtree(out / "checkpoint-4")
     (out / "latest").write_text("checkpoint-2\n")
-    extra = ["--beta", "0.04", "--eval_dataset", colocated / "held_out.jsonl", "--eval_num_generations", "2"]
+    extra = ["--beta", "0.04", "--eval_dataset", colocated / "held_out.jsonl", "--eval_num_generations", "2", "--sync_ref_model", "true", "--ref_model_sync_steps", "2"]
     train(2, args(ender, data, out, 8, *extra, "--fsdp", "full_shard", "--save_steps", "2", "--resume_from_checkpoint", "latest"))
     assert [m["loss"] for m in read(out)] == [m["loss"] for m in read(colocated / "fsdp")]
     whole = exported(colocated / "fsdp" / "checkpoint-4", tmp_path / "whole")

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -219,3 +220,58 @@ def test_bf16_reference_model_runs_under_the_policys_numerics(tiny_model, data, 
     metrics = _train(tiny_model, data, tmp_path / "run", "--max_steps", "2", "--save_steps", "0", "--bf16", "true", "--beta", "0.1")
     assert metrics[0]["kl"] == 0.0
     assert metrics[1]["kl"] > 0
+
+
+@pytest.mark.parametrize("loss_type, metric", [("cispo", "cispo_clip_ratio"), ("sapo", None), ("luspo", "clip_ratio/region_mean"), ("vespo", "vespo/phi_seq_mean")])
+def test_each_new_loss_type_trains(tiny_model, data, tmp_path, loss_type, metric):
+    out = tmp_path / "run"
+    metrics = _train(tiny_model, data, out, "--max_steps", "2", "--save_steps", "0", "--loss_type", loss_type, "--epsilon_high", "5.0" if loss_type == "cispo" else "0.2")
+    assert all(math.isfinite(m["loss"]) for m in metrics) and (metric is None or metric in metrics[0])
+    before, after = load_file(tiny_model / "model.safetensors"), load_file(out / "checkpoint-2" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_masks_of_the_policy_gradient_keep_what_they_say(tiny_model, data, tmp_path):
+    # top_entropy_quantile 0.25: about a quarter of the loss tokens keep their policy gradient
+    # (ties at the threshold keep a few more); off_policy_mask_threshold 0 with two passes a
+    # round: in the second, the policy has moved, so sequences with a negative advantage whose
+    # tokens drifted (sampling - current > 0 on average) are dropped.
+    hot = _train(tiny_model, data, tmp_path / "hot", "--max_steps", "2", "--save_steps", "0", "--top_entropy_quantile", "0.25")
+    assert all(0.2 <= m["policy_gradient/kept_tokens"] <= 0.4 for m in hot), [m["policy_gradient/kept_tokens"] for m in hot]
+    masked = _train(tiny_model, data, tmp_path / "masked", "--max_steps", "2", "--save_steps", "0", "--off_policy_mask_threshold", "0",
+                    "--num_iterations", "2")  # fmt: skip
+    assert masked[0]["policy_gradient/kept_tokens"] == 1.0  # first pass: the policy is the sampler's
+    assert masked[1]["policy_gradient/kept_tokens"] < 1.0
+
+
+def test_the_adaptive_entropy_bonus_moves_and_resumes_exactly(tiny_model, data, tmp_path):
+    # The random model's entropy (about 5.5 nats) is below the target of 6: after each step the
+    # coefficient grows by delta (0.02, 0.025, ...). It applies from step 2: before the first step
+    # no entropy has been measured (TRL starts at inf, above any target), so step 1's is 0.
+    args = ["--max_steps", "4", "--save_steps", "2", "--use_adaptive_entropy", "true", "--entropy_coef", "0.02", "--entropy_coef_delta", "0.005",
+            "--entropy_target", "6.0"]  # fmt: skip
+    whole = _train(tiny_model, data, tmp_path / "whole", *args)
+    assert [m["entropy_coef"] for m in whole] == pytest.approx([0.0, 0.025, 0.03, 0.035])
+    # The same run, resumed from its step-2 checkpoint: the coefficient and the last entropy come back.
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole", out)
+    shutil.rmtree(out / "checkpoint-4")
+    (out / "latest").write_text("checkpoint-2\n")
+    resumed = _train(tiny_model, data, out, *args, "--resume_from_checkpoint", "latest")
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in whole] and [m["entropy_coef"] for m in resumed] == [m["entropy_coef"] for m in whole]
+
+
+def test_a_moving_reference_changes_the_kl_and_resumes_exactly(tiny_model, data, tmp_path):
+    base = ["--max_steps", "4", "--save_steps", "2", "--beta", "0.1", "--learning_rate", "5e-2"]
+    still = _train(tiny_model, data, tmp_path / "still", *base)
+    moving = _train(tiny_model, data, tmp_path / "moving", *base, "--sync_ref_model", "true", "--ref_model_sync_steps", "1", "--ref_model_mixup_alpha", "0.5")
+    # step 1's KL is 0 either way (policy = reference); from step 2 the reference has moved toward the policy
+    assert moving[0]["kl"] == still[0]["kl"] == 0.0 and moving[2]["kl"] < still[2]["kl"]
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "moving", out)
+    shutil.rmtree(out / "checkpoint-4")
+    (out / "latest").write_text("checkpoint-2\n")
+    assert (out / "checkpoint-2" / "reference.safetensors").is_file()
+    resumed = _train(tiny_model, data, out, *base, "--sync_ref_model", "true", "--ref_model_sync_steps", "1", "--ref_model_mixup_alpha", "0.5",
+                     "--resume_from_checkpoint", "latest")  # fmt: skip
+    assert [m["kl"] for m in resumed] == [m["kl"] for m in moving] and [m["loss"] for m in resumed] == [m["loss"] for m in moving]

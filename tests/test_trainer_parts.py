@@ -271,3 +271,23 @@ def test_an_async_round_may_take_what_its_timeouts_allow_and_no_more(tiny_model,
     with pytest.raises(RoundTimeout, match=r"waited 0.5s for round 0 to be generated and scored .* a rollout server or a reward function is stuck"):
         producer.next_round()
     producer.close(ok=False)
+
+
+def test_the_policy_options_for_dropout_and_an_fp32_head(tiny_model):
+    from tandem.trainer.lora import LoraOptions
+    from tandem.trainer.setup import PolicyOptions, build_policy
+
+    def policy(**over):
+        options = dict(model=str(tiny_model), load_kwargs={}, disable_dropout=False, head_in_fp32=False, reference=False, lora=None,
+                       learning_rate=1e-3, betas=(0.9, 0.999), weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0, max_steps=2)  # fmt: skip
+        return build_policy(PolicyOptions(**(options | over)), None, "cpu")[0]
+
+    # disable_dropout: every dropout off, LoRA's adapters' included
+    lora = LoraOptions(r=4, alpha=8, dropout=0.1, target_modules=["q_proj"], modules_to_save=None, model=str(tiny_model))
+    dropouts = lambda m: [d.p for d in m.modules() if isinstance(d, torch.nn.Dropout)]  # noqa: E731
+    assert 0.1 in dropouts(policy(lora=lora)) and set(dropouts(policy(lora=lora, disable_dropout=True))) == {0.0}
+    # cast_lm_head_to_fp32: under bf16 autocast the logits come out in fp32 (bf16 without it)
+    ids = torch.tensor([[1, 120, 118]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert policy()(input_ids=ids).logits.dtype == torch.bfloat16
+        assert policy(head_in_fp32=True)(input_ids=ids).logits.dtype == torch.float32

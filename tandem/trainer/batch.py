@@ -133,9 +133,10 @@ class PrefixSharingLM(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (n, C) of the completion tokens under softmax(logits / temperature), 0 past
-        each completion's end, and their entropy (n, C) if asked (no gradient)."""
+        each completion's end, and their entropy (n, C) if asked: a metric without gradient, or
+        with `entropy_grad` a term of the loss (an entropy bonus)."""
         positions = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (U, P), as the engine numbered them
         out = self.lm(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         last = out.logits[:, -1:, :]  # (U, 1, V): the last prompt position predicts token 0
@@ -158,7 +159,7 @@ class PrefixSharingLM(nn.Module):
             tokens = mb.completion_ids[rows, :width]  # (n_b, width)
             logps.append(F.pad(token_logprobs(logits.float(), tokens, temperature), (0, C - width)))  # (n_b, C)
             if with_entropy:
-                with torch.no_grad():
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                     entropies.append(F.pad(entropy_from_logits(logits, temperature), (0, C - width)))
         inverse = torch.argsort(torch.cat([rows for rows, _ in mb.buckets]))  # bucket order -> batch order
         real = mb.completion_attention.bool()  # (n, C)
@@ -166,7 +167,7 @@ class PrefixSharingLM(nn.Module):
         return torch.cat(logps)[inverse].masked_fill(~real, 0.0), entropy  # (n, C)
 
 
-def completion_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False):
-    """Per-token log-probs (n, C) of the completion tokens, and their entropy (n, C) if asked.
-    `model` is a PrefixSharingLM (possibly inside DDP)."""
-    return model(mb, temperature, with_entropy)
+def completion_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
+    """Per-token log-probs (n, C) of the completion tokens, and their entropy (n, C) if asked
+    (with gradient if `entropy_grad`). `model` is a PrefixSharingLM (possibly inside DDP)."""
+    return model(mb, temperature, with_entropy, entropy_grad)

@@ -31,8 +31,10 @@ import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs, set_seed
+from safetensors.torch import load_model
 
 from tandem import rewards as rewards_lib
+from tandem.algo import Objective
 from tandem.data import GroupSampler
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
 from tandem.trainer import checkpoint, lora, metrics, sharding
@@ -40,7 +42,7 @@ from tandem.trainer.batch import PrefixSharingLM
 from tandem.trainer.config import TrainConfig, resume_changes
 from tandem.trainer.dist import Dist
 from tandem.trainer.eval import Evaluator
-from tandem.trainer.learner import Learner, LossSettings
+from tandem.trainer.learner import EntropyBonus, Learner, LossSettings, ReferenceSync
 from tandem.trainer.producer import AsyncProducer, SyncProducer
 from tandem.trainer.servers import ServerOptions, Servers
 from tandem.trainer.setup import PolicyOptions, PromptOptions, build_policy, load_prompts, load_tokenizer, resolve_bf16
@@ -117,8 +119,9 @@ def build(config: TrainConfig) -> Run:
 
     # Cheap checks first: reward functions and the dataset fail before the model loads.
     reward_fns = config.load_rewards()
-    tokenizer, max_len = load_tokenizer(config.model_name_or_path)
-    prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length)
+    tokenizer, max_len = load_tokenizer(config.model_name_or_path, config.trust_remote_code)
+    prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length,
+                            config.chat_template_kwargs or {})  # fmt: skip
     table, skipped = load_prompts(config.dataset_name, tokenizer, prompts, max_len)
     eval_table = load_prompts(config.eval_dataset, tokenizer, prompts, max_len)[0] if config.eval_dataset else None
     if skipped and dist.is_main:
@@ -177,7 +180,7 @@ def _resume_or_fresh(config: TrainConfig, dist: Dist, sharded: bool, bf16_warnin
     come from the checkpoint, everything else from its state files."""
     out = Path(config.output_dir)
     resume_dir = checkpoint.resolve(config.resume_from_checkpoint, out) if config.resume_from_checkpoint else None
-    saved = json.loads((resume_dir / "trainer_state.json").read_text()) if resume_dir else None
+    saved = saved_state(resume_dir) if resume_dir else None
     changes = []
     if saved:
         checkpoint.check_resume(resume_dir, saved, dist.world, sharded)
@@ -190,6 +193,8 @@ def _resume_or_fresh(config: TrainConfig, dist: Dist, sharded: bool, bf16_warnin
         resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
         (out / "config.yaml").write_text(resolved)
         print(f"tandem: resolved config ({dist.world} process(es))\n{resolved}", flush=True)
+        if config.notes:
+            print("tandem: from TRL's and ms-swift's names:\n  " + "\n  ".join(config.notes), flush=True)
         if changes:
             print(f"tandem: resuming {resume_dir} with changed options: {'; '.join(changes)}", flush=True)
         for warning in config.warnings() + ([bf16_warning] if bf16_warning else []):
@@ -204,6 +209,9 @@ def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad
     sharded it already; the gradient-sync switch of either; the optimizer's and schedule's state."""
     options = PolicyOptions(
         model=config.model_name_or_path,
+        load_kwargs={**(config.model_init_kwargs or {}), "trust_remote_code": config.trust_remote_code},
+        disable_dropout=config.disable_dropout,
+        head_in_fp32=config.cast_lm_head_to_fp32 and bool(config.bf16),
         reference=config.beta != 0.0 and not config.use_peft,
         lora=lora.LoraOptions(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules, config.lora_modules_to_save,
                               config.model_name_or_path) if config.use_peft else None,  # fmt: skip
@@ -229,18 +237,33 @@ def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad
         grad_sync = lambda on: setattr(wrapped, "require_backward_grad_sync", on)  # noqa: E731
     else:  # one process: nothing to sync
         grad_sync = lambda on: None  # noqa: E731
+    ref_sync = ReferenceSync(config.ref_model_mixup_alpha, config.ref_model_sync_steps if config.sync_ref_model else 0)
+    moving_ref = ref_model.lm if ref_sync.every else None  # its weights are in the checkpoint
     if resume_dir is not None and plan is not None:  # the weights and optimizer state of this rank's shards
-        sharding.load_checkpoint(model, optimizer.optimizer, resume_dir)
+        sharding.load_checkpoint(model, optimizer.optimizer, resume_dir, moving_ref)
     elif resume_dir is not None:
         optimizer.load_state_dict(torch.load(resume_dir / "optimizer.pt", weights_only=True))
+        if moving_ref is not None:
+            load_model(moving_ref, str(resume_dir / checkpoint.REFERENCE))
     if resume_dir is not None:
         scheduler.load_state_dict(torch.load(resume_dir / "scheduler.pt", weights_only=True))
+    objective = Objective(config.epsilon, config.epsilon_high, config.delta, config.sapo_temperature_pos, config.sapo_temperature_neg,
+                          config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_k_neg, config.vespo_lambda_neg)  # fmt: skip
     loss = LossSettings(
-        config.loss_type, config.epsilon, config.epsilon_high, config.delta, config.importance_sampling_level, config.beta, config.temperature,
-        config.mask_truncated_completions, config.off_policy_correction, config.importance_sampling_cap, config.importance_sampling_clip_min,
+        config.loss_type, objective, config.importance_sampling_level, config.beta, config.use_bias_correction_kl and config.beta != 0.0,
+        config.temperature, config.mask_truncated_completions, config.off_policy_correction, config.importance_sampling_cap,
+        config.importance_sampling_clip_min, config.off_policy_mask_threshold, config.top_entropy_quantile,
     )  # fmt: skip
+    entropy = EntropyBonus(config.entropy_coef, config.use_adaptive_entropy, config.entropy_coef_min, config.entropy_coef_max,
+                           config.entropy_coef_delta, config.entropy_target)  # fmt: skip
+    if resume_dir is not None and "entropy_bonus" in saved_state(resume_dir):
+        entropy.load_state_dict(saved_state(resume_dir)["entropy_bonus"])
     return Learner(wrapped, optimizer, scheduler, ref_model, dist, pad_id, loss, config.per_device_train_batch_size, config.max_grad_norm,
-                   config.on_nonfinite, lockstep=plan is not None, grad_sync=grad_sync)  # fmt: skip
+                   config.on_nonfinite, lockstep=plan is not None, grad_sync=grad_sync, entropy=entropy, ref_sync=ref_sync)  # fmt: skip
+
+
+def saved_state(resume_dir: Path) -> dict:
+    return json.loads((resume_dir / "trainer_state.json").read_text())
 
 
 def _servers(config: TrainConfig, dist: Dist, learner: Learner, state: TrainState, vocab_size: int, sharded: bool):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import yaml
 from safetensors import SafetensorError
+from safetensors.torch import save_model
 
 from tandem.trainer.config import ConfigError
 
@@ -74,6 +75,7 @@ def start(output_dir: str | Path, step: int) -> Path:
     return tmp
 
 
+REFERENCE = "reference.safetensors"  # a moving reference model's weights (sync_ref_model), unsharded
 MARKER = "checkpoint_complete.json"  # written last: the files of a whole checkpoint and their sizes
 
 
@@ -280,11 +282,12 @@ class Checkpointer:
         ahead = ahead[: int(dist.gather_collective(torch.tensor([len(ahead)]), "rounds ahead").min())]
         torch.save(rng_state(), tmp / f"rng_state_{dist.rank}.pt")
         (tmp / f"rounds_{dist.rank}.json").write_text(json.dumps([r.to_dict() for r in ahead]))
+        moving_ref = self.learner.ref_model.lm if self.learner.ref_sync.every else None  # sync_ref_model: the reference is state too
         if self.sharded:  # every rank writes its shards; rank 0 the model's config
             from tandem.trainer.sharding import save_checkpoint
 
             dist.enter("checkpoint: shards")
-            save_checkpoint(lm, self.learner.optimizer.optimizer, tmp)
+            save_checkpoint(lm, self.learner.optimizer.optimizer, tmp, moving_ref)
         dist.barrier_collective("checkpoint: every rank's part written")
         path = None
         if dist.is_main:
@@ -294,6 +297,8 @@ class Checkpointer:
             else:
                 lm.save_pretrained(tmp)
                 torch.save(self.learner.optimizer.state_dict(), tmp / "optimizer.pt")
+                if moving_ref is not None:
+                    save_model(moving_ref, str(tmp / REFERENCE))  # tied weights stored once
             self.tokenizer.save_pretrained(tmp)
             (tmp / "config.yaml").write_text(yaml.safe_dump(self.resolved_config, sort_keys=False))
             saved = {
@@ -306,6 +311,7 @@ class Checkpointer:
                 "sharded": self.sharded,
                 "run_id": state.run_id,
                 "sampler": ahead[-1].sampler_state if ahead else state.sampler,  # where generation goes on
+                "entropy_bonus": self.learner.entropy.state_dict(),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(saved, indent=1))
             torch.save(self.learner.scheduler.state_dict(), tmp / "scheduler.pt")

@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRE
 from tandem.data import PROMPT_TRUNCATION
 from tandem.rewards import ON_TIMEOUT
 from tandem.rollout.types import SamplingParams
+from tandem.trainer import compat
 from tandem.trainer.metrics import check_report_to
 
 ROLLOUT_MODES = ("colocate", "server")
@@ -50,6 +52,11 @@ class TrainConfig:
     shuffle_dataset: bool = opt(True, "Shuffle prompts each epoch (seeded).", "model and data")
     output_dir: str = opt("runs/tandem", "Run folder: metrics.jsonl, completions.jsonl, config.yaml, checkpoints.", "model and data")
     seed: int = opt(42, "Seed for init, data order and every sampled completion.", "model and data")
+    model_init_kwargs: dict | None = opt(None, "Keyword arguments for the model's from_pretrained (e.g. {\"attn_implementation\": \"sdpa\"}), as TRL's.", "model and data")
+    trust_remote_code: bool = opt(False, "Let the model's and tokenizer's own code run (transformers' trust_remote_code).", "model and data")
+    chat_template_kwargs: dict | None = opt(None, "Extra arguments of the chat template, for every prompt (e.g. {\"enable_thinking\": false} for Qwen3).", "model and data")
+    disable_dropout: bool = opt(False, "Turn off every dropout of the policy and the reference model (the LoRA adapters' lora_dropout too).", "model and data")
+    cast_lm_head_to_fp32: bool = opt(False, "Compute the output layer (logits) in fp32 when training in bf16, for log-probs closer to the engine's; not with a head tied to the embedding.", "model and data")
 
     # --- generation ---
     rollout_mode: str = opt("colocate", "Where completions are generated: 'colocate' runs the engine on the trainer's own model; 'server' asks `tandem rollout` servers.", "generation")
@@ -66,7 +73,7 @@ class TrainConfig:
     verify_weight_sync: bool = opt(False, "After each push, compare the servers' weight fingerprints with the trainer's and stop on a mismatch (hashes every weight: slow for big models).", "generation")
     weight_transport: str = opt("auto", "How weights reach the servers: 'shm' (shared memory, same host), 'http' (safetensors over HTTP), 'auto' (shm when the server is on this host).", "generation")
     num_generations: int = opt(8, "Completions per prompt (G); advantages are relative within these groups.", "generation")
-    max_completion_length: int = opt(256, "Most tokens generated per completion.", "generation")
+    max_completion_length: int = opt(512, "Most tokens generated per completion.", "generation")
     temperature: float = opt(1.0, "Sampling temperature; log-probs in the loss use the same temperature.", "generation")
     top_p: float = opt(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.", "generation")
     top_k: int = opt(0, "Keep only the k most likely tokens; 0 disables.", "generation")
@@ -90,6 +97,7 @@ class TrainConfig:
     per_device_train_batch_size: int = opt(8, "Completions per micro-batch on each process (TRL's meaning: completions, not prompts).", "batch and schedule")
     gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step.", "batch and schedule")
     steps_per_generation: int | None = opt(None, "Micro-batches each generation round is split into (default: gradient_accumulation_steps). A round holds per_device_train_batch_size * steps_per_generation completions per process, which must be whole groups.", "batch and schedule")
+    generation_batch_size: int | None = opt(None, "Completions per round over every process, instead of steps_per_generation (TRL's): steps_per_generation = generation_batch_size / (per_device_train_batch_size * processes).", "batch and schedule")
     num_iterations: int = opt(1, "Passes over each generation round (mu in the GRPO paper).", "batch and schedule")
     learning_rate: float = opt(1e-6, "Peak learning rate of AdamW.", "batch and schedule")
     lr_scheduler_type: str = opt("linear", "transformers schedule name: linear, cosine, constant, constant_with_warmup, ...", "batch and schedule")
@@ -123,6 +131,24 @@ class TrainConfig:
     importance_sampling_level: str = opt("token", "'token' ratio per token, or 'sequence' (GSPO) one ratio per completion.", "loss")
     scale_rewards: str = opt("group", "Divide advantages by the std of the 'group', the 'batch', or 'none' (Dr. GRPO).", "loss")
     mask_truncated_completions: bool = opt(False, "Leave completions that hit max_completion_length out of the loss.", "loss")
+    use_bias_correction_kl: bool = opt(True, "Weight the per-token KL by the ratio current/proximal (with its gradient), as TRL 1.16 does by default: the KL of samples from the proximal policy, made the current one's. Only with beta > 0.", "loss")
+    sapo_temperature_pos: float = opt(1.0, "loss_type sapo: the gate's temperature for positive advantages.", "loss")
+    sapo_temperature_neg: float = opt(1.05, "loss_type sapo: the gate's temperature for negative advantages.", "loss")
+    vespo_k_pos: float = opt(2.0, "loss_type vespo: k of the gamma weight for non-negative advantages.", "loss")
+    vespo_lambda_pos: float = opt(3.0, "loss_type vespo: lambda of the gamma weight for non-negative advantages.", "loss")
+    vespo_k_neg: float = opt(3.0, "loss_type vespo: k of the gamma weight for negative advantages.", "loss")
+    vespo_lambda_neg: float = opt(2.0, "loss_type vespo: lambda of the gamma weight for negative advantages.", "loss")
+    off_policy_mask_threshold: float | None = opt(None, "Drop from the policy gradient a sequence with a negative advantage whose mean KL(sampling policy || current) per token exceeds this (DeepSeek-V3.2's off-policy sequence masking); none: off.", "loss")
+    top_entropy_quantile: float = opt(1.0, "Train only the tokens in this top quantile of entropy over the step's tokens (0.2: the fifth most uncertain); 1 trains every token.", "loss")
+    entropy_coef: float = opt(0.0, "Entropy bonus: the loss minus this times the mean entropy of the trained tokens; with use_adaptive_entropy, its starting value.", "loss")
+    use_adaptive_entropy: bool = opt(False, "Move entropy_coef by entropy_coef_delta after each step, up while the step's entropy is at or below entropy_target, down above it; the bonus applies only while the entropy is at or below the target.", "loss")
+    entropy_coef_min: float = opt(0.0, "use_adaptive_entropy: the lowest entropy_coef.", "loss")
+    entropy_coef_max: float = opt(1.0, "use_adaptive_entropy: the highest entropy_coef.", "loss")
+    entropy_coef_delta: float = opt(0.005, "use_adaptive_entropy: the change of entropy_coef per step.", "loss")
+    entropy_target: float = opt(0.2, "use_adaptive_entropy: the mean entropy per token aimed at.", "loss")
+    sync_ref_model: bool = opt(False, "Move the reference model toward the policy every ref_model_sync_steps steps: ref = alpha * policy + (1 - alpha) * ref (TR-DPO); needs beta > 0, not with LoRA.", "loss")
+    ref_model_mixup_alpha: float = opt(0.6, "sync_ref_model: the policy's share alpha in the new reference.", "loss")
+    ref_model_sync_steps: int = opt(512, "sync_ref_model: steps between two moves of the reference.", "loss")
 
     # --- evaluation ---
     eval_dataset: str | None = opt(None, "Held-out prompts (same formats as dataset_name), evaluated by the run's engine with the current weights; eval/* metrics go to eval.jsonl and the trackers.", "evaluation")
@@ -141,10 +167,29 @@ class TrainConfig:
     report_to: list[str] = opt(["none"], "Experiment trackers that get every metric of metrics.jsonl at the same steps: tensorboard (in output_dir/tandem), wandb, trackio, or none; the logged completions go to W&B and TensorBoard as tables.", "logging and checkpoints")
 
     def __post_init__(self):
+        self.notes: list[str] = []  # what TRL's and ms-swift's names given were mapped to (config_from_args); not an option
+        if self.generation_batch_size is not None:
+            self._steps_from_generation_batch_size()
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+
+    def _steps_from_generation_batch_size(self) -> None:
+        """TRL's generation_batch_size counts a round's completions over every process (WORLD_SIZE,
+        as torchrun sets it): steps_per_generation follows from it. Both may be given if they agree."""
+        per_micro_batch = self.per_device_train_batch_size * int(os.environ.get("WORLD_SIZE", "1"))
+        steps, rest = divmod(self.generation_batch_size, per_micro_batch)
+        if rest or steps < 1:
+            raise ConfigError(
+                f"generation_batch_size={self.generation_batch_size}: must be a multiple of per_device_train_batch_size * processes = {per_micro_batch}"
+            )
+        if self.steps_per_generation is not None and self.steps_per_generation != steps:
+            raise ConfigError(
+                f"generation_batch_size={self.generation_batch_size} means steps_per_generation={steps} on {per_micro_batch // self.per_device_train_batch_size} "
+                f"process(es), but steps_per_generation={self.steps_per_generation} is given; give one of the two"
+            )
+        self.steps_per_generation = steps
 
     def load_rewards(self) -> list:
         """The reward functions, loaded; a spec that does not load is a config error naming it."""
@@ -261,6 +306,7 @@ class TrainConfig:
 
     def _validate_loss_and_rewards(self, need) -> None:
         """The loss, rewards, logging, evaluation and LoRA."""
+        self._validate_loss_variants(need)
         need(self.loss_type in LOSS_TYPES, "loss_type", f"unknown; valid names: {', '.join(sorted(LOSS_TYPES))}")
         need(self.epsilon > 0, "epsilon", "must be > 0 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high])")
         need(self.epsilon < 1, "epsilon", "must be < 1, or the lower clip bound 1 - epsilon is not positive")
@@ -295,6 +341,30 @@ class TrainConfig:
             "lora_target_modules",
             "give all-linear alone, or module names",
         )
+
+    def _validate_loss_variants(self, need) -> None:
+        """The options of TRL 1.16's loss variants and corrections, with TRL's rules."""
+        need(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0, "sapo_temperature_pos", "sapo temperatures must be > 0")
+        need(min(self.vespo_k_pos, self.vespo_k_neg) >= 0, "vespo_k_pos", "vespo's k must be >= 0")
+        need(min(self.vespo_lambda_pos, self.vespo_lambda_neg) > 0, "vespo_lambda_pos", "vespo's lambda must be > 0")
+        need(
+            self.loss_type != "vespo" or self.rollout_mode != "server" or self.off_policy_correction in ("none", "token_truncate", "token_mask"),
+            "off_policy_correction",
+            "loss_type vespo folds the off-policy weights into its own sequence weight (server mode): give token_truncate, token_mask or none",
+        )
+        need(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0, "off_policy_mask_threshold", "must be >= 0, or none")
+        need(0 < self.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in (0, 1] (1 trains every token)")
+        need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+        need(0 <= self.entropy_coef_min <= self.entropy_coef_max, "entropy_coef_min", f"must be in [0, entropy_coef_max={self.entropy_coef_max}]")
+        need(self.entropy_coef_delta >= 0 and self.entropy_target >= 0, "entropy_coef_delta", "entropy_coef_delta and entropy_target must be >= 0")
+        need(0 < self.ref_model_mixup_alpha <= 1, "ref_model_mixup_alpha", "must be in (0, 1]")
+        need(self.ref_model_sync_steps >= 1, "ref_model_sync_steps", "must be >= 1")
+        need(not self.sync_ref_model or self.beta > 0, "sync_ref_model", "needs beta > 0: without a KL term there is no reference model to move")
+        need(not (self.sync_ref_model and self.use_peft), "sync_ref_model",
+             "is not supported with use_peft (as in TRL): the reference is the base model, and a mix of base and adapters is not a LoRA adapter")  # fmt: skip
+        need(self.generation_batch_size is None or self.generation_batch_size >= 1, "generation_batch_size", "must be >= 1")
+        need(not (self.cast_lm_head_to_fp32 and self.use_peft and "lm_head" in (self.lora_target_modules or [])), "cast_lm_head_to_fp32",
+             "is not supported with an adapter on lm_head (as in TRL): leave lm_head out of lora_target_modules")  # fmt: skip
 
     def fsdp_options(self) -> dict:
         """fsdp_config with transformers' optional fsdp_ prefix dropped from its keys."""
@@ -331,10 +401,19 @@ class TrainConfig:
             "rollout_server_urls": (self.rollout_mode != "server", "rollout_mode server"),
             "off_policy_correction": (self.rollout_mode != "server", "rollout_mode server (a colocated engine samples on-policy)"),
             **{f"lora_{k}": (not self.use_peft, "use_peft true") for k in ("r", "alpha", "dropout", "target_modules", "modules_to_save")},
+            **{f"sapo_temperature_{k}": (self.loss_type != "sapo", "loss_type sapo") for k in ("pos", "neg")},
+            **{f"vespo_{k}": (self.loss_type != "vespo", "loss_type vespo") for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
+            **{f"entropy_{k}": (not self.use_adaptive_entropy, "use_adaptive_entropy true") for k in ("coef_min", "coef_max", "coef_delta", "target")},
+            **{f"ref_model_{k}": (not self.sync_ref_model, "sync_ref_model true") for k in ("mixup_alpha", "sync_steps")},
+            "cast_lm_head_to_fp32": (not self.bf16, "bf16 true (in fp32 the head computes in fp32 already)"),
         }
         out = [f"{name}={getattr(self, name)!r} has no effect without {needs}" for name, (unused, needs) in idle.items()
                if unused and getattr(self, name) != getattr(defaults, name)]  # fmt: skip
-        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            out.append("loss_type luspo is meant with importance_sampling_level sequence, as in its paper (TRL warns the same)")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            out.append("loss_type vespo computes its sequence weight itself: importance_sampling_level should be token (TRL warns the same)")
+        if self.importance_sampling_level == "sequence" and self.loss_type not in ("grpo", "luspo", "sapo", "vespo"):
             # As TRL warns: a token-sum reduction weights each sequence by its length (GSPO, arXiv:2507.18071, eq. 5).
             out.append(
                 f"importance_sampling_level 'sequence' with loss_type {self.loss_type!r} sums per-token terms, so each "
@@ -357,7 +436,7 @@ class ConfigError(ValueError):
 RESUME_FIXED = (
     "model_name_or_path", "dataset_name", "dataset_split", "dataset_config", "shuffle_dataset", "seed", "num_generations",
     "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
-    "loss_type", "async_generate", "max_staleness", "lora_r", "lora_alpha", "lora_target_modules", "lora_modules_to_save",
+    "loss_type", "async_generate", "max_staleness", "lora_r", "lora_alpha", "lora_target_modules", "lora_modules_to_save", "sync_ref_model",
 )  # fmt: skip (use_peft and fsdp have checks of their own, which say how to resume)
 NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "output_dir")  # where the run goes, not what it is
 
@@ -382,31 +461,13 @@ def _fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-# TRL's GRPOConfig (1.16) names of the off-policy options, accepted beside tandem's own.
-TRL_ALIASES = {
-    "vllm_importance_sampling_mode": "off_policy_correction",
-    "vllm_importance_sampling_clip_max": "importance_sampling_cap",
-    "vllm_importance_sampling_cap": "importance_sampling_cap",  # deprecated in TRL for clip_max
-    "vllm_importance_sampling_clip_min": "importance_sampling_clip_min",
-}
-CORRECTION_SWITCH = "vllm_importance_sampling_correction"  # TRL's on/off switch: false is off_policy_correction none
-
-
-def _resolve_aliases(values: dict, where: str) -> dict:
-    """Options given under TRL's names, renamed to tandem's; a field named twice is an error."""
-    out: dict = {}
-    given_as: dict[str, str] = {}
-    for key, value in values.items():
-        name = TRL_ALIASES.get(key, key)
-        if key == CORRECTION_SWITCH:
-            on = value if isinstance(value, bool) else _parse_scalar(bool, str(value), key, False)
-            if on:
-                continue  # correction on is the default; the mode comes from off_policy_correction
-            name, value = "off_policy_correction", "none"
-        if name in out:
-            raise ConfigError(f"{name} is given twice {where}, as {given_as[name]!r} and as {key!r}; keep one")
-        out[name], given_as[name] = value, key
-    return out
+def _resolve_names(values: dict, where: str) -> tuple[dict, list[str]]:
+    """TRL's and ms-swift's names resolved into tandem's options (tandem.trainer.compat), with the
+    lines that say what was mapped; a refused one is a config error naming it."""
+    try:
+        return compat.resolve(values, where, set(_fields()))
+    except compat.Refused as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _base_type(tp):
@@ -476,6 +537,12 @@ def _check_scalar(kind, value, name):
 
 
 def load_yaml(path: str | Path) -> dict:
+    """A config file's options, TRL's and ms-swift's names resolved into tandem's."""
+    return read_config(path)[0]
+
+
+def read_config(path: str | Path) -> tuple[dict, list[str]]:
+    """A config file's options, and the lines saying what was mapped from TRL's and ms-swift's names."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -485,13 +552,14 @@ def load_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file {path} is not valid YAML: {str(exc).strip()}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option: value")
-    known = [*_fields(), *TRL_ALIASES, CORRECTION_SWITCH]
+    known = [*_fields(), *compat.OPTIONS]
     for key in data:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else "; see `tandem train --help` for the options"
             raise ConfigError(f"unknown key {key!r} in {path}{hint}")
-    return {k: _check_yaml_value(k, v) for k, v in _resolve_aliases(data, f"in {path}").items()}
+    resolved, notes = _resolve_names(data, f"in {path}")
+    return {k: _check_yaml_value(k, v) for k, v in resolved.items()}, notes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -512,23 +580,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help=f"{f.metadata['help']} (default: {default})",
         )
-    trl = parser.add_argument_group("TRL's names, accepted as well")
-    for alias, name in TRL_ALIASES.items():
-        trl.add_argument(f"--{alias}", metavar="VALUE", default=argparse.SUPPRESS, help=f"same as --{name}")
-    trl.add_argument(f"--{CORRECTION_SWITCH}", metavar="true|false", default=argparse.SUPPRESS, help="false is --off_policy_correction none")
+    trl = parser.add_argument_group("TRL's and ms-swift's names (docs/configuration.md#trl-and-ms-swift-options)")
+    for name, option in compat.OPTIONS.items():
+        if name not in _fields():
+            trl.add_argument(f"--{name}", nargs="+", metavar="VALUE", default=argparse.SUPPRESS, help=f"{option.kind}: {option.doc}".replace("%", "%%"))
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the YAML file, then the command line; validated."""
-    values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    given = {k: v for k, v in vars(args).items() if k in _fields() or k in TRL_ALIASES or k == CORRECTION_SWITCH}
-    given = _resolve_aliases(given, "on the command line")
+    values, notes = read_config(args.config) if getattr(args, "config", None) else ({}, [])
+    given = {k: v for k, v in vars(args).items() if k in _fields()}
+    given |= {k: v[0] if len(v) == 1 else v for k, v in vars(args).items() if k in compat.OPTIONS and k not in _fields()}
+    given, cli_notes = _resolve_names(given, "on the command line")
     for name, f in _fields().items():
         if name not in given:
             continue
         kind, is_list, optional = _base_type(f.type)
         raw = given[name]
-        if is_list:
+        if not (isinstance(raw, str) or (isinstance(raw, list) and all(isinstance(r, str) for r in raw))):
+            values[name] = _check_yaml_value(name, raw)  # a mapped name's value, typed already
+        elif is_list:
             if optional and len(raw) == 1 and raw[0].lower() in ("none", "null"):
                 values[name] = None
             else:
@@ -536,5 +607,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         else:
             values[name] = _parse_scalar(kind, raw, name, optional)
     config = TrainConfig(**values)
+    config.notes = notes + cli_notes
     config.validate()
     return config

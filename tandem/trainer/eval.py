@@ -99,7 +99,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
     tokenizer = AutoTokenizer.from_pretrained(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    options = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length)
+    options = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length, {})
     table, _ = load_prompts(dataset, tokenizer, options, getattr(lm.config, "max_position_embeddings", None))
     engine = TransformersEngine(lm.eval(), eos_token_ids(tokenizer, lm.generation_config, model), tokenizer.pad_token_id)
     try:

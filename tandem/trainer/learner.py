@@ -3,12 +3,22 @@ things done with them: log-probs without gradient, and the micro-steps and optim
 update. What the run's mode and sharding decide (DDP's or FSDP's gradient-sync switch, lockstep
 micro-batches, LoRA's reference) is resolved when it is built; its methods branch on none of it."""
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from tandem.algo import Normalisation, importance_weights, policy_loss
+from tandem.algo import (
+    Normalisation,
+    Objective,
+    entropy_bonus,
+    high_entropy_mask,
+    importance_weights,
+    next_entropy_coef,
+    off_policy_sequence_mask,
+    policy_loss,
+)
 from tandem.rollout.types import Rollout
 from tandem.trainer import sharding
 from tandem.trainer.batch import collate, completion_logprobs
@@ -24,21 +34,60 @@ class LossSettings:
     """The loss and its corrections, as plain values (TrainConfig's names)."""
 
     loss_type: str
-    epsilon: float
-    epsilon_high: float
-    delta: float | None
+    objective: Objective  # epsilons, delta, sapo's and vespo's numbers
     importance_sampling_level: str
     beta: float
+    kl_bias_correction: bool  # use_bias_correction_kl
     temperature: float
     mask_truncated_completions: bool
     off_policy_correction: str
     importance_sampling_cap: float
     importance_sampling_clip_min: float | None
+    off_policy_mask_threshold: float | None
+    top_entropy_quantile: float
+
+
+@dataclass
+class EntropyBonus:
+    """The entropy bonus and its adaptive coefficient (TRL's entropy_coef, use_adaptive_entropy):
+    state that a checkpoint keeps (coef, last_entropy)."""
+
+    coef: float
+    adaptive: bool = False
+    lowest: float = 0.0
+    highest: float = 1.0
+    delta: float = 0.005
+    target: float = 0.2
+    last_entropy: float = math.inf  # the mean entropy of the last step over every rank (none yet: inf)
+
+    @property
+    def on(self) -> bool:
+        return self.coef != 0.0 or self.adaptive
+
+    def applied(self) -> float:
+        """The coefficient of this step: the adaptive one acts only while entropy is at or below target."""
+        return self.coef if not self.adaptive or self.last_entropy <= self.target else 0.0
+
+    def state_dict(self) -> dict:
+        return {"entropy_coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coef, self.last_entropy = state["entropy_coef"], state["last_entropy"]
+
+
+@dataclass(frozen=True)
+class ReferenceSync:
+    """TR-DPO's moving reference (TRL's sync_ref_model): every `every` steps, ref = alpha * policy
+    + (1 - alpha) * ref. `every` 0: the reference stays."""
+
+    alpha: float = 0.6
+    every: int = 0
 
 
 class Learner:
     def __init__(self, model, optimizer, scheduler, ref_model, dist: Dist, pad_id: int, loss: LossSettings, micro_batch: int,
-                 max_grad_norm: float, on_nonfinite: str, lockstep: bool, grad_sync: Callable[[bool], None]):  # fmt: skip
+                 max_grad_norm: float, on_nonfinite: str, lockstep: bool, grad_sync: Callable[[bool], None],
+                 entropy: EntropyBonus, ref_sync: ReferenceSync):  # fmt: skip
         """`model` is the prepared PrefixSharingLM (under DDP when several processes train whole
         copies); `ref_model` the frozen reference, or None (no KL term, or LoRA, whose reference
         is the policy with its adapters disabled); `lockstep`: sharded, every forward a collective;
@@ -46,6 +95,8 @@ class Learner:
         self.model, self.optimizer, self.scheduler, self.ref_model = model, optimizer, scheduler, ref_model
         self.dist, self.pad_id, self.loss, self.micro_batch = dist, pad_id, loss, micro_batch
         self.max_grad_norm, self.on_nonfinite, self.lockstep, self.grad_sync = max_grad_norm, on_nonfinite, lockstep, grad_sync
+        self.entropy, self.ref_sync = entropy, ref_sync
+        self._entropy_window = torch.zeros(2)  # the step's entropy sum and token count so far (adaptive bonus)
 
     @property
     def lm(self) -> torch.nn.Module:
@@ -85,33 +136,61 @@ class Learner:
     def micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
         """Forward and backward of one micro-batch; gradients are synced on the last one only
         (then the backward is a collective)."""
-        cfg = self.loss
+        cfg, obj = self.loss, self.loss.objective
         mb = collate([rollouts[i] for i in idx], self.pad_id, self.dist.device, cfg.mask_truncated_completions, lockstep=self.lockstep)
-        C = mb.completion_ids.shape[1]
+        C, mask = mb.completion_ids.shape[1], mb.completion_mask
         self.grad_sync(sync)
         if self.lockstep:
             self.dist.enter("forward (sharded)")
-        logps, entropy = completion_logprobs(self.model, mb, cfg.temperature, with_entropy=True)  # (n, C)
+        logps, entropy = completion_logprobs(self.model, mb, cfg.temperature, with_entropy=True, entropy_grad=self.entropy.on)  # (n, C)
         rows = lambda t: t[idx, :C].to(logps.device) if t is not None else None  # noqa: E731 - (N_rank, C') -> (n, C)
-        old = rows(old_logps) if old_logps is not None else logps.detach()
+        old, adv = rows(old_logps) if old_logps is not None else logps.detach(), advantages[idx].to(logps.device)
         is_weights, is_metrics = None, {}
         if behav_logps is not None:
             is_weights, is_metrics = importance_weights(
-                old, rows(behav_logps), mb.completion_mask, cfg.off_policy_correction,
-                clip_max=cfg.importance_sampling_cap, clip_min=cfg.importance_sampling_clip_min,
+                old, rows(behav_logps), mask, cfg.off_policy_correction, clip_max=cfg.importance_sampling_cap, clip_min=cfg.importance_sampling_clip_min
             )  # fmt: skip
+        keep, trained = self._kept_collective(logps, old if behav_logps is None else rows(behav_logps), entropy.detach(), adv, mask)
         loss, stats = policy_loss(
-            logps, old, advantages[idx].to(logps.device), mb.completion_mask,
-            loss_type=cfg.loss_type, norm=norm, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
-            importance_sampling_level=cfg.importance_sampling_level, beta=cfg.beta, ref_logprobs=rows(ref_logps), is_weights=is_weights,
+            logps, old, adv, mask, loss_type=cfg.loss_type, norm=norm, epsilon_low=obj.epsilon_low, epsilon_high=obj.epsilon_high,
+            delta=obj.delta, importance_sampling_level=cfg.importance_sampling_level, beta=cfg.beta, ref_logprobs=rows(ref_logps),
+            is_weights=is_weights, kl_bias_correction=cfg.kl_bias_correction, keep=keep, objective=obj,
         )  # fmt: skip
         stats.update(is_metrics)
+        if keep is not None:  # the share of the loss tokens whose policy gradient counts
+            stats["policy_gradient/kept_tokens"] = (keep.expand_as(mask) * mask).sum() / mask.sum().clamp(min=1.0)
+        if self.entropy.on:  # over the tokens the policy gradient trains
+            coef = self.entropy.applied()
+            loss = loss + entropy_bonus(entropy, trained, coef, norm.grad_accum)
+            self._entropy_window += torch.stack([(entropy.detach() * trained).sum(), trained.sum()]).cpu()
+            stats["entropy_coef"] = torch.tensor(coef)
         if sync and (self.dist.world > 1 or self.lockstep):
             self.dist.enter("backward (gradients synced)")
         self.dist.accelerator.backward(loss)
-        mask = mb.completion_mask
-        stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+        stats["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1.0)
         return loss.detach(), stats
+
+    def _kept_collective(self, logps, sampling_logps, entropy, adv, mask) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Which sequences and tokens the policy gradient trains, (n, 1) or (n, C) or None for all,
+        and the token mask (n, C) that leaves: off_policy_mask_threshold drops drifted sequences
+        with a negative advantage; top_entropy_quantile keeps the tokens above the quantile of the
+        micro-batch's entropies over every rank (a collective, as TRL's gather)."""
+        keep = None
+        if self.loss.off_policy_mask_threshold is not None:
+            keep = off_policy_sequence_mask(logps, sampling_logps, adv, mask, self.loss.off_policy_mask_threshold)
+        trained = mask
+        if self.loss.top_entropy_quantile < 1.0:
+            values = entropy[mask > 0].float().cpu()  # this rank's tokens
+            counts = self.dist.gather_collective(torch.tensor([len(values)]), "entropy counts")
+            padded = torch.full((int(counts.max()),), math.nan)
+            padded[: len(values)] = values
+            every = self.dist.gather_collective(padded, "entropies")
+            every = every[~torch.isnan(every)]
+            threshold = torch.quantile(every, 1 - self.loss.top_entropy_quantile).item() if len(every) else math.inf
+            hot = high_entropy_mask(entropy, mask, threshold)  # (n, C)
+            keep = hot if keep is None else keep * hot
+            trained = mask * hot
+        return keep, trained
 
     def optimizer_step_collective(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, bool]:
         """Clip and step (the gradient norm and the decision are collectives); returns the norm
@@ -139,4 +218,20 @@ class Learner:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.entropy.adaptive:  # the step's entropy over every rank sets the next step's coefficient
+            total = self.dist.sum_collective(self._entropy_window, "entropy of the step")
+            self.entropy.last_entropy = (total[0] / total[1].clamp(min=1.0)).item()
+            lo, hi, e = self.entropy.lowest, self.entropy.highest, self.entropy
+            self.entropy.coef = next_entropy_coef(e.coef, e.last_entropy, e.target, e.delta, lo, hi)
+        self._entropy_window = torch.zeros(2)
+        if self.ref_sync.every and step % self.ref_sync.every == 0:
+            self._move_reference()
         return grad_norm, skipped
+
+    @torch.no_grad()
+    def _move_reference(self) -> None:
+        """ref = alpha * policy + (1 - alpha) * ref, weight by weight (sharded: shard by shard, as both
+        models are sharded alike)."""
+        alpha = self.ref_sync.alpha
+        for ref, p in zip(self.ref_model.lm.parameters(), self.lm.parameters()):
+            ref.mul_(1 - alpha).add_(p.detach().to(ref.dtype), alpha=alpha)

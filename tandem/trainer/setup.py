@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from tandem.data import DataError, encode_prompt, load_prompt_dataset
@@ -16,7 +17,7 @@ from tandem.trainer.config import ConfigError
 from tandem.trainer.producer import PromptTable
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, trust_remote_code: bool = False):
     """The tokenizer (with a pad token) and the model's max_position_embeddings (None if its config
     has none), read before the model loads. A name that loads neither from a folder here nor from
     the hub is a config error that says which."""
@@ -26,8 +27,8 @@ def load_tokenizer(name: str):
     if name.startswith(("/", ".", "~")) and not local.is_dir():
         raise ConfigError(f"model_name_or_path={name}: no such folder; give a model folder (e.g. one made by `tandem init-model`) or a hub name")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        max_len = getattr(AutoConfig.from_pretrained(name), "max_position_embeddings", None)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        max_len = getattr(AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code), "max_position_embeddings", None)
     except (OSError, ValueError) as exc:
         where = "the folder holds no model with a tokenizer" if local.is_dir() else "not a folder here, and it did not load from the hub"
         raise ConfigError(f"model_name_or_path={name}: {where} ({exc})") from None
@@ -45,6 +46,7 @@ class PromptOptions:
     max_prompt_length: int | None
     truncation: str
     max_completion_length: int
+    chat_template_kwargs: dict  # extra arguments of the chat template (Qwen3's enable_thinking)
 
 
 def load_prompts(source: str, tokenizer, options: PromptOptions, max_len: int | None = None) -> tuple[PromptTable, int]:
@@ -58,7 +60,7 @@ def load_prompts(source: str, tokenizer, options: PromptOptions, max_len: int | 
     skipped = 0
     for i, row in enumerate(ds):
         try:
-            ids = encode_prompt(tokenizer, row["prompt"], options.max_prompt_length, options.truncation)
+            ids = encode_prompt(tokenizer, row["prompt"], options.max_prompt_length, options.truncation, options.chat_template_kwargs)
         except DataError as exc:
             raise DataError(f"dataset {source}, row {i}: {exc}") from None
         if ids is None:
@@ -85,6 +87,9 @@ class PolicyOptions:
     """The policy, its reference and its optimizer (TrainConfig's values)."""
 
     model: str  # model_name_or_path
+    load_kwargs: dict  # from_pretrained's (model_init_kwargs, trust_remote_code)
+    disable_dropout: bool
+    head_in_fp32: bool  # cast_lm_head_to_fp32, under bf16
     reference: bool  # a frozen reference model (beta > 0 without LoRA)
     lora: lora.LoraOptions | None  # adapters instead of every weight
     learning_rate: float
@@ -100,18 +105,23 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
     starting weights), AdamW over the trainable weights and the learning-rate schedule. `shard`
     (FSDP) shards the policy and the reference before the optimizer is made over the shards; a
     sharded checkpoint's weights are loaded into them later, with the optimizer state."""
+    load = lambda name: _prepared(AutoModelForCausalLM.from_pretrained(name, **options.load_kwargs), options)  # noqa: E731
     if options.lora is not None:
-        model = lora.adapt(options.lora, AutoModelForCausalLM.from_pretrained(options.model), resume_dir)
+        model = lora.adapt(options.lora, load(options.model), resume_dir)
     else:
         if resume_dir is not None and (resume_dir / "adapter_config.json").is_file():
             raise ConfigError(f"checkpoint {resume_dir} holds LoRA adapters: resume it with use_peft true")
         full = resume_dir is not None and shard is None
-        model = AutoModelForCausalLM.from_pretrained(resume_dir if full else options.model)
+        model = load(resume_dir if full else options.model)
+    if options.disable_dropout:  # after LoRA: its adapters' dropout too, as TRL's disable_dropout_in_model
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     if shard is not None:
         model = shard(model)
     ref_model = None
     if options.reference:
-        ref = AutoModelForCausalLM.from_pretrained(options.model)
+        ref = load(options.model)
         ref = ref.to(device) if shard is None else shard(ref)  # sharding moves each unit to the device itself
         ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
     optimizer = torch.optim.AdamW(
@@ -120,6 +130,20 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
     # Stepped by hand once per optimizer step: accelerate's prepared scheduler would step once per process.
     scheduler = get_scheduler(options.lr_scheduler_type, optimizer, num_warmup_steps=options.warmup_steps, num_training_steps=options.max_steps)
     return model, ref_model, optimizer, scheduler
+
+
+def _prepared(model: torch.nn.Module, options: PolicyOptions) -> torch.nn.Module:
+    """cast_lm_head_to_fp32: the output layer computes in fp32 under bf16 autocast (TRL's), so the
+    log-probs lose no precision to bf16 logits over a large vocabulary."""
+    if options.head_in_fp32:
+        head = model.get_output_embeddings()
+
+        def fp32_head(hidden: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(hidden.device.type, enabled=False):
+                return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float())
+
+        head.forward = fp32_head
+    return model
 
 
 def resolve_bf16(requested: bool | None) -> tuple[bool, str | None]:

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from tandem.rollout.weights import StagedWeights
@@ -140,18 +140,27 @@ class Pushes:
             staged.remove()
 
 
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Every rank writes its shards of the weights and of the optimizer state into folder/sharded."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / SHARDED)
-
-
-def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """The weights and optimizer state of a checkpoint written by save_checkpoint, into this rank's shards."""
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, reference: torch.nn.Module | None = None) -> None:
+    """Every rank writes its shards of the weights and of the optimizer state into folder/sharded,
+    and of a moving reference model's weights (sync_ref_model) when given."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
+    if reference is not None:
+        state["reference"] = get_model_state_dict(reference)
+    dcp.save(state, checkpoint_id=folder / SHARDED)
+
+
+def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, reference: torch.nn.Module | None = None) -> None:
+    """The weights and optimizer state of a checkpoint written by save_checkpoint, into this rank's
+    shards (and the reference's, when given)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if reference is not None:
+        state["reference"] = get_model_state_dict(reference)
     dcp.load(state, checkpoint_id=folder / SHARDED)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if reference is not None:
+        set_model_state_dict(reference, state["reference"])
 
 
 def is_sharded(checkpoint: Path) -> bool:

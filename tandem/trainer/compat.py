@@ -1,0 +1,346 @@
+"""TRL's and ms-swift's option names, and what tandem does with each: a config written for TRL
+1.16's GRPOConfig (with the TrainingArguments that GRPO configs set) or for ms-swift's GRPO
+arguments runs as it is, or stops at once naming each option it cannot honour.
+
+Every TRL 1.16 GRPOConfig option is in OPTIONS, as one of
+  same     the same name, meaning and default (a TrainConfig field);
+  mapped   a TRL or ms-swift name for a tandem option, resolved into it (the printed config shows
+           the result), or a value that means here what tandem does anyway (said in the printed
+           list, never dropped silently);
+  refused  a config error that says why and what to do instead.
+docs/configuration.md holds the table (`python -m tandem.trainer.compat` prints it), and
+tests/test_compat.py checks it against TRL's own list of options.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+SAME, MAPPED, REFUSED = "same", "mapped", "refused"
+
+
+class Refused(ValueError):
+    """A value tandem cannot honour; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Option:
+    kind: str
+    doc: str  # what tandem does with it, for the table
+    # raw value, every given value -> (tandem options it sets, a line for the printed list or None);
+    # raises Refused. None: a TrainConfig field of the same name (kind "same").
+    resolve: Callable[[object, dict], tuple[dict, str | None]] | None = None
+
+
+def _bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no", "none", "null"):
+        return False
+    raise Refused(f"expected true or false, got {value!r}")
+
+
+def _given(value) -> bool:
+    """Whether a value asks for something (not None, empty, false or 0)."""
+    return value not in (None, "", [], {}, False, 0, "none", "null", "None", "false", "False", "0")
+
+
+def rename(target: str, doc: str = "") -> Option:
+    return Option(MAPPED, doc or f"`{target}`", lambda v, _: ({target: v}, None))
+
+
+def inert(ok: Callable[[object], bool], why: str, instead: str) -> Option:
+    """Accepted when `ok(value)` (what tandem does anyway: said in the printed list), else refused."""
+
+    def resolve(value, _):
+        if ok(value):
+            return {}, why
+        raise Refused(f"{why}; {instead}")
+
+    return Option(MAPPED, f"no effect: {why}" + (f"; otherwise refused: {instead}" if instead else ""), resolve)
+
+
+def refuse(why: str) -> Option:
+    def resolve(value, _):
+        raise Refused(why)
+
+    return Option(REFUSED, why, resolve)
+
+
+def refuse_if_given(why: str) -> Option:
+    """Refused unless left at TRL's default of nothing (None, false, 0), which is accepted silently."""
+
+    def resolve(value, _):
+        if _given(value):
+            raise Refused(why)
+        return {}, None
+
+    return Option(REFUSED, f"refused when set: {why}", resolve)
+
+
+def _server_urls(value, given: dict) -> tuple[dict, str | None]:
+    """vllm_server_host and vllm_server_port (ms-swift: lists of each) as rollout_server_urls."""
+    hosts = given.get("vllm_server_host", "0.0.0.0")
+    ports = given.get("vllm_server_port", 8000)
+    hosts = hosts if isinstance(hosts, list) else [hosts]
+    ports = ports if isinstance(ports, list) else [ports]
+    if len(hosts) == 1 and len(ports) > 1:
+        hosts = hosts * len(ports)
+    if len(ports) == 1 and len(hosts) > 1:
+        ports = ports * len(hosts)
+    if len(hosts) != len(ports):
+        raise Refused(f"{len(hosts)} hosts and {len(ports)} ports: give one port per host")
+    # TRL's default host 0.0.0.0 is the server's bind address; a client reaches it on loopback
+    urls = [f"http://{'127.0.0.1' if h == '0.0.0.0' else h}:{int(p)}" for h, p in zip(hosts, ports)]
+    return {"rollout_server_urls": urls}, None
+
+
+def _use_vllm(value, given: dict) -> tuple[dict, str | None]:
+    if not _bool(value):
+        return {}, None
+    mode = given.get("vllm_mode", "colocate")
+    if mode != "server":
+        raise Refused(
+            f"vllm_mode={mode!r}: vLLM inside the training process is not built in tandem. Start a server "
+            "(`tandem rollout --engine vllm --model MODEL`) and give vllm_mode server with its vllm_server_base_url, or use "
+            "rollout_mode colocate (tandem's own engine)"
+        )
+    return {"rollout_mode": "server"}, "use_vllm with vllm_mode server: rollout_mode server (vLLM behind `tandem rollout --engine vllm`)"
+
+
+def _generation_kwargs(value, given: dict) -> tuple[dict, str | None]:
+    value = json.loads(value) if isinstance(value, str) else value or {}
+    sampling = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    other = sorted(set(value) - sampling - {"max_tokens"})
+    if other:
+        raise Refused(f"{other} have no tandem equivalent; tandem samples with {sorted(sampling)} and max_completion_length")
+    out = {k: v for k, v in value.items() if k in sampling}
+    if "max_tokens" in value:
+        out["max_completion_length"] = value["max_tokens"]
+    return out, f"generation_kwargs: {sorted(out)} set as tandem's options" if out else None
+
+
+def _scale_rewards(value, given: dict) -> tuple[dict, str | None]:
+    """TRL took true/false before group/batch/none: true is group, false none."""
+    if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+        return {"scale_rewards": "group" if _bool(value) else "none"}, None
+    return {"scale_rewards": value}, None
+
+
+def _warmup_steps(value, given: dict) -> tuple[dict, str | None]:
+    steps = int(value)
+    if not steps:
+        return {}, None
+    max_steps = int(given.get("max_steps", 0))
+    if max_steps < 1:
+        raise Refused("warmup_steps needs max_steps (tandem counts warmup as warmup_ratio of max_steps)")
+    return {"warmup_ratio": steps / max_steps}, f"warmup_steps {steps}: warmup_ratio {steps / max_steps:g} of max_steps {max_steps}"
+
+
+def _save_strategy(value, given: dict) -> tuple[dict, str | None]:
+    if value in ("steps", "SaveStrategy.STEPS"):
+        return {}, None
+    if value == "no":
+        return {"save_steps": 0}, "save_strategy no: save_steps 0 (tandem still saves at the end)"
+    raise Refused(f"save_strategy={value!r}: tandem saves every save_steps steps (save_strategy steps) and at the end")
+
+
+def _eval_strategy(value, given: dict) -> tuple[dict, str | None]:
+    if value in ("no", "steps"):
+        return {}, None
+    raise Refused(f"eval_strategy={value!r}: tandem evaluates every eval_steps steps with an eval_dataset (eval_strategy steps)")
+
+
+def _optim(value, given: dict) -> tuple[dict, str | None]:
+    if str(value) in ("adamw_torch", "adamw_torch_fused", "adamw_hf", "OptimizerNames.ADAMW_TORCH"):
+        return {}, None
+    raise Refused(f"optim={value!r}: tandem trains with torch's AdamW (adamw_torch)")
+
+
+def _overlong_filter(value, given: dict) -> tuple[dict, str | None]:
+    return {"mask_truncated_completions": _bool(value)}, None
+
+
+_NO_HUB = "tandem does not upload to the hub; copy the output_dir yourself"
+_SERVER_SIDE = "a vLLM engine option: give it to the rollout server (`tandem rollout --engine vllm {flag}`)"
+
+
+def _server_side(flag: str, default) -> Option:
+    return inert(lambda v: v in (default, None) or str(v) == str(default), f"{flag} is an engine option of the rollout server", _SERVER_SIDE.format(flag=flag))
+
+
+OPTIONS: dict[str, Option] = {
+    # --- TRL 1.16 GRPOConfig: its own options (and the two TrainingArguments defaults it changes) ---
+    "learning_rate": Option(SAME, "peak AdamW learning rate (default 1e-6)"),
+    "model_init_kwargs": Option(SAME, "passed to from_pretrained of the policy and the reference"),
+    "trust_remote_code": Option(SAME, "passed to the model's and tokenizer's from_pretrained"),
+    "router_aux_loss_coef": refuse_if_given("tandem adds no MoE router load-balancing loss; drop router_aux_loss_coef"),
+    "disable_dropout": Option(SAME, "every dropout of the policy and reference off"),
+    "cast_lm_head_to_fp32": Option(SAME, "the output layer computes in fp32 under bf16"),
+    "remove_unused_columns": inert(lambda v: not _bool(v), "tandem passes every dataset column to the reward functions", "give remove_unused_columns false"),
+    "num_generations": Option(SAME, "completions per prompt"),
+    "num_generations_eval": rename("eval_num_generations"),
+    "max_completion_length": Option(SAME, "tokens per completion (default 512)"),
+    "ds3_gather_for_generation": inert(lambda v: _bool(v), "tandem does not use DeepSpeed; with fsdp, colocated decoding gathers one layer at a time",
+                                       "sharded generation without gathering is not built: give ds3_gather_for_generation true, or use a rollout server"),  # fmt: skip
+    "shuffle_dataset": Option(SAME, "a seeded permutation per epoch"),
+    "pad_to_multiple_of": inert(lambda v: True, "tandem pads each length bucket to its own longest sequence", ""),
+    "generation_batch_size": Option(SAME, "completions per round over every process; sets steps_per_generation"),
+    "steps_per_generation": Option(SAME, "micro-batches per generation round"),
+    "temperature": Option(SAME, "sampling temperature, also of the trained log-probs"),
+    "top_p": Option(SAME, "nucleus sampling"),
+    "top_k": Option(SAME, "top-k sampling (0: off)"),
+    "min_p": Option(MAPPED, "`min_p` (TRL's none is 0)", lambda v, _: ({"min_p": 0.0 if v in (None, "none", "null") else v}, None)),
+    "generation_kwargs": Option(MAPPED, "its temperature, top_p, top_k, min_p, repetition_penalty and max_tokens set tandem's options; any other key is refused", _generation_kwargs),
+    "chat_template_kwargs": Option(SAME, "extra arguments of the chat template"),
+    "repetition_penalty": Option(SAME, "CTRL's penalty"),
+    "cache_implementation": refuse_if_given("the transformers engine keeps its own KV cache; drop cache_implementation"),
+    "use_vllm": Option(MAPPED, "with vllm_mode server: rollout_mode server (a `tandem rollout --engine vllm` server); vllm_mode colocate is refused", _use_vllm),
+    "vllm_mode": inert(lambda v: v in ("server", "colocate"), "read with use_vllm", "give server or colocate"),
+    "vllm_model_impl": _server_side("--model-impl", "vllm"),
+    "vllm_enable_sleep_mode": refuse_if_given("sleep mode belongs to vLLM colocated with training, which tandem does not build"),
+    "vllm_structured_outputs_regex": refuse_if_given("structured outputs are not built in tandem's engines; drop vllm_structured_outputs_regex"),
+    "vllm_server_base_url": Option(MAPPED, "`rollout_server_urls` (one URL)", lambda v, _: ({"rollout_server_urls": [v]} if v else {}, None)),
+    "vllm_server_host": Option(MAPPED, "with vllm_server_port, `rollout_server_urls` (ms-swift: lists of each)", _server_urls),
+    "vllm_server_port": Option(MAPPED, "with vllm_server_host, `rollout_server_urls`", _server_urls),
+    "vllm_server_timeout": rename("rollout_server_timeout"),
+    "vllm_group_port": inert(lambda v: True, "tandem pushes weights over HTTP or shared memory, not an NCCL group", ""),
+    "vllm_gpu_memory_utilization": _server_side("--gpu-memory-utilization", 0.3),
+    "vllm_max_model_length": _server_side("--max-model-len", None),
+    "vllm_tensor_parallel_size": _server_side("--tensor-parallel-size", 1),
+    "beta": Option(SAME, "KL coefficient (0: no reference model)"),
+    "num_iterations": Option(SAME, "passes over each round"),
+    "epsilon": Option(SAME, "lower clip range"),
+    "delta": Option(SAME, "two-sided clipping"),
+    "epsilon_high": Option(SAME, "upper clip range (cispo: the weight's bound)"),
+    "sapo_temperature_neg": Option(SAME, "sapo's gate, negative advantages"),
+    "sapo_temperature_pos": Option(SAME, "sapo's gate, positive advantages"),
+    "vespo_k_pos": Option(SAME, "vespo's gamma weight"),
+    "vespo_lambda_pos": Option(SAME, "vespo's gamma weight"),
+    "vespo_k_neg": Option(SAME, "vespo's gamma weight"),
+    "vespo_lambda_neg": Option(SAME, "vespo's gamma weight"),
+    "importance_sampling_level": Option(SAME, "token, or sequence (GSPO)"),
+    "reward_weights": Option(SAME, "one per reward function"),
+    "multi_objective_aggregation": inert(lambda v: v == "sum_then_normalize", "tandem sums the weighted rewards, then normalises them in the group",
+                                         "normalize_then_sum (GDPO) is not built: give sum_then_normalize"),  # fmt: skip
+    "scale_rewards": Option(MAPPED, "`scale_rewards` (group, batch, none; TRL's older true/false are group and none)", _scale_rewards),
+    "loss_type": Option(SAME, "grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, vespo"),
+    "mask_truncated_completions": Option(SAME, "truncated completions out of the loss"),
+    "sync_ref_model": Option(SAME, "TR-DPO's moving reference (not with LoRA, as in TRL)"),
+    "ref_model_mixup_alpha": Option(SAME, "TR-DPO's alpha"),
+    "ref_model_sync_steps": Option(SAME, "TR-DPO's period"),
+    "top_entropy_quantile": Option(SAME, "train the highest-entropy tokens only"),
+    "entropy_coef": Option(SAME, "entropy bonus"),
+    "use_adaptive_entropy": Option(SAME, "the entropy bonus steered to entropy_target"),
+    "entropy_coef_min": Option(SAME, "adaptive entropy bonus"),
+    "entropy_coef_max": Option(SAME, "adaptive entropy bonus"),
+    "entropy_coef_delta": Option(SAME, "adaptive entropy bonus"),
+    "entropy_target": Option(SAME, "adaptive entropy bonus"),
+    "max_tool_calling_iterations": refuse_if_given("tools and multi-turn rollouts are not built in tandem yet; drop max_tool_calling_iterations"),
+    "vllm_importance_sampling_correction": Option(MAPPED, "false: `off_policy_correction none`", lambda v, _: ({} if _bool(v) else {"off_policy_correction": "none"}, None)),
+    "vllm_importance_sampling_mode": rename("off_policy_correction"),
+    "vllm_importance_sampling_clip_max": rename("importance_sampling_cap"),
+    "vllm_importance_sampling_clip_min": rename("importance_sampling_clip_min"),
+    "vllm_importance_sampling_cap": rename("importance_sampling_cap", "`importance_sampling_cap` (TRL's deprecated name)"),
+    "off_policy_mask_threshold": Option(SAME, "DeepSeek-V3.2's off-policy sequence masking"),
+    "use_bias_correction_kl": Option(SAME, "the KL weighted by the ratio (default true, as TRL)"),
+    "log_completions": inert(lambda v: True, "tandem writes num_completions_to_log completions a step to completions.jsonl, and to W&B and TensorBoard", ""),
+    "log_multimodal": inert(lambda v: True, "tandem trains on text", ""),
+    "num_completions_to_print": rename("num_completions_to_log", "`num_completions_to_log` (written to completions.jsonl, not printed)"),
+    "log_unique_prompts": inert(lambda v: True, "completions.jsonl shows each logged completion with its prompt", ""),
+    "log_completions_hub_repo": refuse_if_given(_NO_HUB),
+    "use_transformers_continuous_batching": refuse_if_given("the transformers engine batches a round itself; for continuous batching use the vLLM engine"),
+    "transformers_continuous_batching_config": refuse_if_given("the transformers engine batches a round itself; for continuous batching use the vLLM engine"),
+    "use_transformers_paged": refuse_if_given("paged attention is the vLLM engine's (`tandem rollout --engine vllm`)"),
+    # --- TrainingArguments that GRPO configs set ---
+    "output_dir": Option(SAME, "the run folder"),
+    "overwrite_output_dir": Option(SAME, "start afresh in a folder that holds a run"),
+    "per_device_train_batch_size": Option(SAME, "completions per micro-batch and process"),
+    "gradient_accumulation_steps": Option(SAME, "micro-batches per optimizer step"),
+    "max_steps": Option(SAME, "optimizer steps"),
+    "num_train_epochs": refuse_if_given("tandem counts optimizer steps: give max_steps (a step trains per_device_train_batch_size * gradient_accumulation_steps completions per process)"),
+    "lr_scheduler_type": Option(SAME, "transformers' schedule names"),
+    "warmup_ratio": Option(SAME, "share of max_steps warming up"),
+    "warmup_steps": Option(MAPPED, "`warmup_ratio` = warmup_steps / max_steps", _warmup_steps),
+    "weight_decay": Option(SAME, "AdamW weight decay"),
+    "adam_beta1": Option(SAME, "AdamW beta1"),
+    "adam_beta2": Option(SAME, "AdamW beta2"),
+    "adam_epsilon": inert(lambda v: float(v) == 1e-8, "AdamW's epsilon is torch's default, 1e-8", "give adam_epsilon 1e-8"),
+    "max_grad_norm": Option(SAME, "gradient clipping"),
+    "optim": Option(MAPPED, "adamw_torch (torch's AdamW) accepted; any other optimizer refused", _optim),
+    "seed": Option(SAME, "every seed of the run"),
+    "bf16": Option(SAME, "bf16 mixed precision"),
+    "fp16": refuse_if_given("tandem trains in fp32 or bf16: give bf16 true"),
+    "logging_steps": inert(lambda v: True, "tandem logs every step to metrics.jsonl", ""),
+    "logging_dir": inert(lambda v: True, "TensorBoard's events go to output_dir/tandem", ""),
+    "logging_first_step": inert(lambda v: True, "tandem logs every step", ""),
+    "run_name": inert(lambda v: True, "trackers name the run after its output_dir", ""),
+    "report_to": Option(SAME, "tensorboard, wandb, trackio or none"),
+    "save_steps": Option(SAME, "steps between checkpoints"),
+    "save_strategy": Option(MAPPED, "steps accepted; no: save_steps 0", _save_strategy),
+    "save_total_limit": Option(SAME, "newest checkpoints kept"),
+    "save_only_model": refuse_if_given("a tandem checkpoint always holds what an exact resume needs"),
+    "eval_strategy": Option(MAPPED, "no and steps accepted (evaluation needs an eval_dataset)", _eval_strategy),
+    "eval_steps": Option(SAME, "steps between evaluations"),
+    "per_device_eval_batch_size": inert(lambda v: True, "evaluation generates all its completions as one batch", ""),
+    "gradient_checkpointing": refuse_if_given("gradient checkpointing is not built in tandem yet; drop gradient_checkpointing"),
+    "gradient_checkpointing_kwargs": refuse_if_given("gradient checkpointing is not built in tandem yet"),
+    "ddp_timeout": Option(SAME, "seconds a collective may wait"),
+    "dataloader_num_workers": inert(lambda v: True, "prompts are encoded once at start; no data loader workers", ""),
+    "push_to_hub": refuse_if_given(_NO_HUB),
+    "hub_model_id": refuse_if_given(_NO_HUB),
+    "deepspeed": refuse_if_given("tandem shards with FSDP2: give fsdp full_shard instead of deepspeed"),
+    "fsdp": Option(SAME, "FSDP2 sharding"),
+    "fsdp_config": Option(SAME, "FSDP2 options"),
+    "resume_from_checkpoint": Option(SAME, "a checkpoint folder, or latest"),
+    "disable_tqdm": Option(SAME, "the progress bar off"),
+    "use_liger_kernel": refuse_if_given("Liger's kernels are not used by tandem"),
+    # --- ms-swift's GRPO arguments, where they name what TRL's do not ---
+    "dynamic_sample": Option(SAME, "DAPO's dynamic sampling (ms-swift's)"),
+    "max_resample_times": Option(SAME, "dynamic sampling's draws (ms-swift's)"),
+    "overlong_filter": Option(MAPPED, "`mask_truncated_completions` (ms-swift's)", _overlong_filter),
+    "soft_cache_length": refuse_if_given("give the length_penalty reward instead (DAPO's soft overlong punishment over the last 20% of max_completion_length)"),
+    "async_generate": Option(SAME, "generation overlapping training"),
+}
+
+
+def resolve(values: dict, where: str, fields: set[str]) -> tuple[dict, list[str]]:
+    """`values` (a YAML file's or the command line's) with TRL's and ms-swift's names resolved
+    into tandem's options, and the printed list's lines. An option given twice (under two names)
+    or refused is a Refused error naming it."""
+    out: dict = {}
+    given_as: dict[str, str] = {}
+    notes: list[str] = []
+    for key, value in values.items():
+        option = OPTIONS.get(key)
+        if option is None or option.resolve is None:
+            if key not in fields:
+                continue  # not an option: the caller's unknown-key error names it
+            resolved, note = {key: value}, None
+        else:
+            try:
+                resolved, note = option.resolve(value, values)
+            except Refused as exc:
+                raise Refused(f"{key}={value!r} {where}: {exc}") from None
+        for name, v in resolved.items():
+            if name in out and given_as[name] != key and out[name] != v:
+                raise Refused(f"{name} is given twice {where}, as {given_as[name]!r} and as {key!r}; keep one")
+            out[name], given_as[name] = v, key
+        if note:
+            notes.append(f"{key}: {note}")
+        elif key != next(iter(resolved), key):
+            notes.append(f"{key} -> {', '.join(f'{n} {v!r}' for n, v in resolved.items())}")
+    return out, notes
+
+
+def markdown() -> str:
+    """The table of docs/configuration.md."""
+    lines = ["| option | | in tandem |", "|---|---|---|"]
+    lines += [f"| `{name}` | {o.kind} | {o.doc} |" for name, o in OPTIONS.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

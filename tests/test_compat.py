@@ -1,0 +1,169 @@
+"""TRL's and ms-swift's option names: every TRL 1.16 GRPOConfig option is the same, mapped or
+refused by name; a config written for TRL runs as it is, or stops at once naming each option."""
+
+import dataclasses
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import cli_here
+from tandem.cli import build_parser
+from tandem.trainer import compat
+from tandem.trainer.config import ConfigError, TrainConfig, config_from_args
+
+pytestmark = pytest.mark.quick
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["train", "--model_name_or_path", "/nonexistent/model", "--dataset_name", "/nonexistent/data.jsonl", "--reward_funcs", "exact_match"]
+
+
+def trl_options() -> list[str]:
+    """TRL's own GRPOConfig options: from trl where it is installed (bench/.venv-trl), else the list
+    tests/trl_grpo_config_options.txt, written from the trl-1.16.0 wheel's grpo_config.py."""
+    if importlib.util.find_spec("trl") is not None:
+        from transformers import TrainingArguments
+        from trl import GRPOConfig
+
+        inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+        return [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in inherited or f.name in ("learning_rate", "remove_unused_columns")]
+    lines = (Path(__file__).with_name("trl_grpo_config_options.txt")).read_text().splitlines()
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_every_trl_grpo_option_is_the_same_mapped_or_refused():
+    options = trl_options()
+    assert len(options) >= 77  # the issue counted 77 of GRPOConfig's own
+    unknown = [name for name in options if name not in compat.OPTIONS]
+    assert not unknown, f"TRL options in no column: {unknown}"
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for name in options:
+        option = compat.OPTIONS[name]
+        assert option.kind in (compat.SAME, compat.MAPPED, compat.REFUSED), name
+        # "the same" is a tandem option of that very name, with TRL's default
+        assert (option.kind == compat.SAME) <= (name in fields), name
+
+
+@pytest.mark.parametrize("name", [n for n, o in compat.OPTIONS.items() if o.kind == compat.SAME and n in {f.name for f in dataclasses.fields(TrainConfig)}])
+def test_the_same_options_keep_trls_default(name):
+    # TRL 1.16's defaults, read from its grpo_config.py (and TrainingArguments' for its options)
+    trl_defaults = {
+        "learning_rate": 1e-6, "disable_dropout": False, "cast_lm_head_to_fp32": False, "num_generations": 8, "max_completion_length": 512,
+        "shuffle_dataset": True, "generation_batch_size": None, "steps_per_generation": None, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+        "chat_template_kwargs": None, "repetition_penalty": 1.0, "beta": 0.0, "num_iterations": 1, "epsilon": 0.2, "delta": None,
+        "epsilon_high": None, "sapo_temperature_neg": 1.05, "sapo_temperature_pos": 1.0, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0,
+        "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "importance_sampling_level": "token", "reward_weights": None, "loss_type": "dapo",
+        "mask_truncated_completions": False, "sync_ref_model": False, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512,
+        "top_entropy_quantile": 1.0, "entropy_coef": 0.0, "use_adaptive_entropy": False, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
+        "entropy_coef_delta": 0.005, "entropy_target": 0.2, "off_policy_mask_threshold": None, "use_bias_correction_kl": True,
+        "model_init_kwargs": None, "trust_remote_code": False, "scale_rewards": "group", "gradient_accumulation_steps": 1,
+        "per_device_train_batch_size": 8, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "max_grad_norm": 1.0,
+        "warmup_ratio": 0.0, "seed": 42, "save_total_limit": None, "ddp_timeout": 1800.0, "lr_scheduler_type": "linear",
+    }  # fmt: skip
+    if name not in trl_defaults:
+        pytest.skip(f"{name}: a TrainingArguments option whose default is the run's own (output_dir, max_steps, ...)")
+    declared = {f.name: f for f in dataclasses.fields(TrainConfig)}[name]
+    default = declared.default_factory() if declared.default is dataclasses.MISSING else declared.default
+    # steps_per_generation and epsilon_high default to None and follow other options, in both
+    assert default == trl_defaults[name], (name, default, trl_defaults[name])
+
+
+def _config(*extra, config_file=None) -> TrainConfig:
+    argv = BASE + list(extra) + (["--config", str(config_file)] if config_file else [])
+    return config_from_args(build_parser().parse_args(argv))
+
+
+TRL_CONFIG = """\
+# a config written for TRL 1.16's GRPOConfig, with the TrainingArguments GRPO configs set
+output_dir: {out}
+learning_rate: 1.0e-5
+per_device_train_batch_size: 8
+gradient_accumulation_steps: 2
+max_steps: 100
+warmup_steps: 10
+logging_steps: 5
+save_strategy: steps
+save_steps: 50
+bf16: false
+report_to: none
+num_generations: 4
+max_completion_length: 256
+use_vllm: true
+vllm_mode: server
+vllm_server_host: 10.0.0.3
+vllm_server_port: 8001
+vllm_importance_sampling_mode: token_truncate
+loss_type: grpo
+beta: 0.04
+num_generations_eval: 2
+scale_rewards: false
+remove_unused_columns: false
+log_completions: true
+"""
+
+
+def test_a_trl_config_runs_as_it_is_with_what_was_mapped_listed(tmp_path):
+    path = tmp_path / "trl.yaml"
+    path.write_text(TRL_CONFIG.format(out=tmp_path / "run"))
+    cfg = _config(config_file=path)
+    assert cfg.rollout_mode == "server" and cfg.rollout_server_urls == ["http://10.0.0.3:8001"]
+    assert (cfg.learning_rate, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.loss_type) == (1e-5, 8, 2, "grpo")
+    assert cfg.warmup_ratio == pytest.approx(0.1) and cfg.off_policy_correction == "token_truncate"
+    assert cfg.eval_num_generations == 2 and cfg.scale_rewards == "none"
+    notes = "\n".join(cfg.notes)
+    assert "warmup_steps: warmup_steps 10: warmup_ratio 0.1 of max_steps 100" in notes
+    assert "logging_steps: tandem logs every step to metrics.jsonl" in notes
+    assert "num_generations_eval -> eval_num_generations 2" in notes
+    assert "use_vllm: use_vllm with vllm_mode server: rollout_mode server" in notes
+    # The CLI prints the list at start (and fails later, here, on the model that does not exist).
+    proc = cli_here("train", "--config", path, "--model_name_or_path", tmp_path / "no_model", "--dataset_name", tmp_path / "d.jsonl",
+                    "--reward_funcs", "exact_match")  # fmt: skip
+    assert "tandem: from TRL's and ms-swift's names:\n  " in proc.stdout and "vllm_server_host -> rollout_server_urls" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("use_vllm: true\nvllm_mode: colocate", "vllm_mode='colocate': vLLM inside the training process is not built in tandem"),
+        ("num_train_epochs: 3", "tandem counts optimizer steps: give max_steps"),
+        ("gradient_checkpointing: true", "gradient checkpointing is not built in tandem yet"),
+        ("vllm_gpu_memory_utilization: 0.9", "give it to the rollout server (`tandem rollout --engine vllm --gpu-memory-utilization`)"),
+        ("generation_kwargs: {top_p: 0.9, stop: ['x']}", "['stop'] have no tandem equivalent"),
+        ("multi_objective_aggregation: normalize_then_sum", "normalize_then_sum (GDPO) is not built"),
+        ("max_tool_calling_iterations: 3", "tools and multi-turn rollouts are not built in tandem yet"),
+        ("push_to_hub: true", "tandem does not upload to the hub"),
+        ("vllm_server_base_url: http://a:1\nrollout_server_urls: [http://b:2]", "rollout_server_urls is given twice"),
+    ],
+)
+def test_a_trl_option_tandem_cannot_honour_is_refused_by_name(tmp_path, line, message):
+    path = tmp_path / "trl.yaml"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _config(config_file=path)
+
+
+def test_trl_and_ms_swift_names_work_on_the_command_line_too():
+    cfg = _config("--vllm_server_base_url", "http://h:9", "--rollout_mode", "server", "--overlong_filter", "true",
+                  "--generation_kwargs", '{"top_k": 5, "max_tokens": 64}', "--vllm_importance_sampling_correction", "false")  # fmt: skip
+    assert cfg.rollout_server_urls == ["http://h:9"] and cfg.mask_truncated_completions is True
+    assert (cfg.top_k, cfg.max_completion_length, cfg.off_policy_correction) == (5, 64, "none")
+    # ms-swift's lists of hosts and ports
+    cfg = _config("--rollout_mode", "server", "--vllm_server_host", "a", "b", "--vllm_server_port", "1", "2")
+    assert cfg.rollout_server_urls == ["http://a:1", "http://b:2"]
+
+
+def test_generation_batch_size_sets_the_steps_per_generation(monkeypatch):
+    # 64 completions a round over 2 processes of 8 per micro-batch: 4 micro-batches a round each
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _config("--per_device_train_batch_size", "8", "--generation_batch_size", "64").steps_per_generation == 4
+    with pytest.raises(ConfigError, match="must be a multiple of per_device_train_batch_size \\* processes = 16"):
+        _config("--per_device_train_batch_size", "8", "--generation_batch_size", "40")
+    with pytest.raises(ConfigError, match="give one of the two"):
+        _config("--per_device_train_batch_size", "8", "--generation_batch_size", "64", "--steps_per_generation", "2")
+
+
+def test_the_docs_table_is_the_codes():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert compat.markdown() in page, "docs/configuration.md's table differs: paste `python -m tandem.trainer.compat` into it"
