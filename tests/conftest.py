@@ -3,6 +3,7 @@ import faulthandler
 import importlib.util
 import io
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -272,12 +273,33 @@ def train(procs, args, timeout=300, launcher="torchrun", separate=False, trace: 
     if procs == 1 and not separate:
         proc = cli_here("train", *args, timeout=timeout)
     else:
-        env = ENV if trace is None else {**ENV, "TANDEM_TRACE_COLLECTIVES": str(trace)}
+        env = {**ENV, "PYTHONFAULTHANDLER": "1"} if trace is None else {**ENV, "PYTHONFAULTHANDLER": "1", "TANDEM_TRACE_COLLECTIVES": str(trace)}
         if trace is not None:
             trace.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(command(procs, args, launcher), capture_output=True, text=True, timeout=timeout, env=env)
+        proc = _run_or_dump(command(procs, args, launcher), env, timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def _run_or_dump(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """The command's run; past `timeout`, every process of it is sent SIGABRT, on which
+    faulthandler (PYTHONFAULTHANDLER) prints each thread's stack: a hang fails with where each
+    rank was waiting, not with a bare timeout."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in psutil.Process(proc.pid).children(recursive=True) or [psutil.Process(proc.pid)]:  # the ranks, or the one process
+            p.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... ran past {timeout}s; the stacks of its processes:\n{err[-12000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def same_collectives(trace: Path, procs: int = 2) -> list[str]:
