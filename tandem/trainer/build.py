@@ -102,6 +102,12 @@ class Run:
         self.log.close()
         self.dist.close()
         if ok:
+            # DDP's reducer holds the process group. Freed after the group is destroyed, it would
+            # hold the last reference and destroy the group itself, joining gloo's threads with
+            # the GIL held while one waits for the GIL: a hang at the end of a finished run (seen
+            # with 2 processes; pytorch/pytorch#56297). So the model goes first, then the group.
+            self.learner.model = self.learner.grad_sync = None
+            self.dist.accelerator.free_memory()
             self.dist.accelerator.end_training()
 
 
