@@ -160,7 +160,7 @@ def test_two_nodes_of_one_process_train_like_one_node_of_two(colocated, ender, d
     port = free_port()
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
               "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "tandem-test", "-m", "tandem.cli", "train"]  # fmt: skip
-    run = [*launch, *map(str, args(ender, data, out, 8, "--fsdp", "full_shard", "--beta", "0.04"))]
+    run = [*launch, *map(str, args(ender, data, out, 8, "--fsdp", "full_shard", "--beta", "0.04", "--sync_ref_model", "true", "--ref_model_sync_steps", "2"))]
     nodes = [subprocess.Popen(run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV) for _ in range(2)]
     try:
         errors = [node.communicate(timeout=300)[1] for node in nodes]
