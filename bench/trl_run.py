@@ -4,6 +4,7 @@ Writes one JSON line per optimizer step: wall-clock timestamp, reward, completio
 """
 
 import argparse
+import importlib.util
 import json
 import time
 
@@ -14,6 +15,14 @@ from trl import GRPOConfig, GRPOTrainer
 
 def exact_match(prompts, completions, answer, **kwargs):
     return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+
+def load_reward(spec: str):
+    path, name = spec.rsplit(":", 1)
+    module_spec = importlib.util.spec_from_file_location("reward", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, name)
 
 
 class StepLog(TrainerCallback):
@@ -34,6 +43,7 @@ def main():
                        ("max_completion_length", int), ("learning_rate", float), ("seed", int)]:  # fmt: skip
         ap.add_argument(f"--{name}", type=kind, required=True)
     ap.add_argument("--bf16", choices=["true", "false"], required=True)
+    ap.add_argument("--reward", help="file.py:function instead of exact_match")
     args = ap.parse_args()
     config = GRPOConfig(
         output_dir=args.out + ".trl",
@@ -57,7 +67,7 @@ def main():
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(args.model),
         processing_class=AutoTokenizer.from_pretrained(args.model),
-        reward_funcs=[exact_match],
+        reward_funcs=[load_reward(args.reward) if args.reward else exact_match],
         args=config,
         train_dataset=load_dataset("json", data_files=args.data, split="train"),
         callbacks=[StepLog(args.out)],

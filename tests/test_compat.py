@@ -128,7 +128,7 @@ def test_a_trl_config_runs_as_it_is_with_what_was_mapped_listed(tmp_path):
     [
         ("use_vllm: true\nvllm_mode: colocate", "vllm_mode='colocate': vLLM inside the training process is not built in tandem"),
         ("num_train_epochs: 3", "tandem counts optimizer steps: give max_steps"),
-        ("gradient_checkpointing: true", "gradient checkpointing is not built in tandem yet"),
+        ("gradient_checkpointing_kwargs: {use_reentrant: true}", "only {use_reentrant: false} is accepted"),
         ("vllm_gpu_memory_utilization: 0.9", "give it to the rollout server (`tandem rollout --engine vllm --gpu-memory-utilization`)"),
         ("generation_kwargs: {top_p: 0.9, stop: ['x']}", "['stop'] have no tandem equivalent"),
         ("multi_objective_aggregation: normalize_then_sum", "normalize_then_sum (GDPO) is not built"),

@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from tandem.rollout import engine as engine_module
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.sampling import filter_logits, sample
 from tandem.rollout.types import Rollout, SamplingParams
@@ -115,3 +116,24 @@ def test_bad_sampling_params(engine, field, value):
     eng, _ = engine
     with pytest.raises(ValueError, match=field):
         eng.generate([PROMPTS[0]], SamplingParams(**{field: value}), [0])
+
+
+def test_the_preallocated_decode_cache_decodes_what_transformers_cache_does(engine, monkeypatch):
+    # Sequences stop at many steps, so the batch shrinks (the cache's rows are selected) mid-way.
+    base, tok = engine
+    eng = TransformersEngine(base.model, list(range(3, 60)), tok.pad_token_id)
+    params = SamplingParams(max_tokens=16, temperature=0.8)
+    prompts, seeds = [PROMPTS[0]] * 6 + [PROMPTS[1]] * 6, list(range(12))
+    layers = []
+    hook = eng.model.register_forward_hook(lambda module, args, kw, out: layers.append(type(out.past_key_values.layers[0]).__name__), with_kwargs=True)
+    try:
+        ours = eng.generate(prompts, params, seeds)
+        monkeypatch.setattr(engine_module, "decode_cache", lambda config, capacity: DynamicCache(config=config))
+        theirs = eng.generate(prompts, params, seeds)
+    finally:
+        hook.remove()
+    assert set(layers) == {"_GrowingLayer", "DynamicLayer"}  # each run decoded with the cache it names
+    assert len({len(o.token_ids) for o in ours}) > 2
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)

@@ -15,8 +15,10 @@ from transformers import AutoModelForCausalLM
 from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import latest_checkpoint
-from tandem.algo import token_logprobs
-from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs, length_buckets
+from tandem.algo import entropy_from_logits, token_logprobs
+from tandem.trainer import head as head_module
+from tandem.trainer.batch import PrefixSharingLM, checkpoint_layers, collate, completion_logprobs, length_buckets
+from tandem.trainer.head import head_logprobs
 
 pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
 
@@ -103,6 +105,17 @@ def _full_forward_logprobs(lm, rollouts, pad_id=0):
     return token_logprobs(logits.float(), ids[:, P:]).double(), mask[:, P:]
 
 
+def _groups_of_rollouts(g: torch.Generator) -> list[Rollout]:
+    """Four prompts of different lengths in groups of 1 to 4 completions of 1 to 4 tokens."""
+    rollouts = []
+    for k in range(4):
+        prompt = torch.randint(3, 120, (5 + 3 * k,), generator=g).tolist()  # prompt and completion tokens
+        for j in range(1 + k):  # never overlap, so a gradient on a prompt token came through the cache
+            completion = torch.randint(130, 250, (1 + (j + k) % 4,), generator=g).tolist()
+            rollouts.append(Rollout(k, k, prompt, completion, [0.0] * len(completion), "stop", 0))
+    return rollouts
+
+
 @pytest.mark.parametrize("seed, max_buckets", [(0, 1), (1, 1), (0, 4), (1, 3)])
 def test_prefix_sharing_forward_equals_the_full_forward(tiny_model, seed, max_buckets):
     # With the model in float64 and its logits taken to float32 as the trainer does, the two
@@ -111,12 +124,7 @@ def test_prefix_sharing_forward_equals_the_full_forward(tiny_model, seed, max_bu
     # into length buckets whose members come from several prompts.
     lm = AutoModelForCausalLM.from_pretrained(tiny_model).double()
     g = torch.Generator().manual_seed(seed)
-    rollouts = []
-    for k in range(4):
-        prompt = torch.randint(3, 120, (5 + 3 * k,), generator=g).tolist()  # prompt and completion tokens
-        for j in range(1 + k):  # never overlap, so a gradient on a prompt token came through the cache
-            completion = torch.randint(130, 250, (1 + (j + k) % 4,), generator=g).tolist()
-            rollouts.append(Rollout(k, k, prompt, completion, [0.0] * len(completion), "stop", 0))
+    rollouts = _groups_of_rollouts(g)
     mb = collate(rollouts, 0, "cpu", False, max_buckets=max_buckets, bucket_cost=0)
     assert len(mb.buckets) == max_buckets
     expected, mask = _full_forward_logprobs(lm, rollouts)
@@ -137,6 +145,74 @@ def test_prefix_sharing_forward_equals_the_full_forward(tiny_model, seed, max_bu
     # first token summed in another order); with the cache detached it is 1.5.
     for n, p in lm.named_parameters():
         assert (p.grad - expected_grads[n]).norm() <= 1e-6 * expected_grads[n].norm(), n
+
+
+def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):
+    """What `run` (a forward returning a loss) keeps for the backward, in bytes, its loss, and the
+    gradient of each of `params`."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    for p in params.values():
+        p.grad = None
+    loss.backward()
+    return sum(saved), loss.detach(), {n: p.grad.clone() for n, p in params.items()}
+
+
+def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(monkeypatch):
+    # A vocabulary of 1000 in chunks of 16 tokens, 50 tokens, a head with a bias, temperature 0.7.
+    monkeypatch.setattr(head_module, "HEAD_CHUNK_BYTES", 16 * 4 * 1000)
+    assert head_module.chunk_tokens(1000) == 16
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(32, 1000)
+    hidden = torch.randn(50, 32, generator=g).requires_grad_()
+    params = {"hidden": hidden, **dict(head.named_parameters())}
+    tokens = torch.randint(0, 1000, (50,), generator=g)
+    weights = torch.randn(2, 50, generator=g)  # the loss weighs each token's log-prob and entropy differently
+
+    def whole():
+        logits = head(hidden).unsqueeze(0)  # (1, 50, V)
+        return (token_logprobs(logits, tokens[None], 0.7)[0] * weights[0] + entropy_from_logits(logits, 0.7)[0] * weights[1]).sum()
+
+    def chunked():
+        logp, entropy = head_logprobs(head, hidden, tokens, 0.7, with_entropy=True, entropy_grad=True)
+        return (logp * weights[0] + entropy * weights[1]).sum()
+
+    whole_bytes, whole_loss, expected = _saved_bytes_and_gradients(params, whole)
+    chunk_bytes, chunk_loss, got = _saved_bytes_and_gradients(params, chunked)
+    # Kept for the backward: the hidden states, tokens and the head's weights, no logits (a
+    # (50, 1000) fp32 copy is 200 kB; the whole computation keeps several).
+    assert chunk_bytes < 50 * 1000 * 4 < whole_bytes, (chunk_bytes, whole_bytes)
+    assert abs(float(chunk_loss - whole_loss)) <= 1e-6 * abs(float(whole_loss))
+    for name, grad in expected.items():
+        assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
+    # The entropy as a metric carries no gradient.
+    assert not head_logprobs(head, hidden, tokens, 0.7, with_entropy=True)[1].requires_grad
+
+
+def test_gradient_checkpointing_keeps_less_for_the_backward_and_changes_no_gradient(tiny_model):
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model)
+    g = torch.Generator().manual_seed(2)
+    mb = collate(_groups_of_rollouts(g), 0, "cpu", False, max_buckets=3, bucket_cost=0)
+    weights = torch.randn(2, *mb.completion_ids.shape, generator=g)
+
+    def run():
+        logp, entropy = completion_logprobs(PrefixSharingLM(lm), mb, 0.9, with_entropy=True, entropy_grad=True)
+        return (logp * weights[0] + entropy * weights[1]).sum()
+
+    params = dict(lm.named_parameters())
+    plain_bytes, plain_loss, expected = _saved_bytes_and_gradients(params, run)
+    assert checkpoint_layers(lm) == lm.config.num_hidden_layers
+    ckpt_bytes, ckpt_loss, got = _saved_bytes_and_gradients(params, run)
+    assert ckpt_bytes < plain_bytes / 2, (ckpt_bytes, plain_bytes)  # measured: CKPT_RATIO
+    assert torch.equal(ckpt_loss, plain_loss)
+    for name, grad in expected.items():
+        assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
 
 
 class _FailingTokenizer:
@@ -278,7 +354,7 @@ def test_the_policy_options_for_dropout_and_an_fp32_head(tiny_model):
     from tandem.trainer.setup import PolicyOptions, build_policy
 
     def policy(**over):
-        options = dict(model=str(tiny_model), load_kwargs={}, disable_dropout=False, head_in_fp32=False, reference=False, lora=None,
+        options = dict(model=str(tiny_model), load_kwargs={}, disable_dropout=False, head_in_fp32=False, checkpointing=False, reference=False, lora=None,
                        learning_rate=1e-3, betas=(0.9, 0.999), weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0, max_steps=2)  # fmt: skip
         return build_policy(PolicyOptions(**(options | over)), None, "cpu")[0]
 

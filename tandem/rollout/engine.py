@@ -3,6 +3,7 @@
 from typing import Callable, Protocol
 
 import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from tandem.algo import token_logprobs
 from tandem.rollout.sampling import apply_repetition_penalty, filter_logits, sample
@@ -74,6 +75,45 @@ def check_request(engine: Engine, prompts: list[list[int]], params: SamplingPara
 def seed_bits(seed: int) -> int:
     """A completion's seed as the engines' generators take it (48 bits, the same on every engine)."""
     return int(seed) & 0xFFFF_FFFF_FFFF
+
+
+class _GrowingLayer(DynamicLayer):
+    """One layer's keys and values in buffers as long as the whole sequence will be, filled as it
+    grows: a decode step writes its own token's, where DynamicLayer copies the whole cache to
+    append one (at 1,024 tokens that copy is most of a step's memory traffic past the weights),
+    and attention reads the filled part as a view."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.key_buffer = key_states.new_empty((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
+            self.value_buffer = value_states.new_empty((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"the decode cache holds {self.capacity} tokens, a step needs {end}")
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def reorder_cache(self, rows: torch.Tensor) -> None:
+        """Keep (and repeat) the sequences `rows`: prompts to their completions, or the live ones."""
+        self.key_buffer, self.value_buffer = self.key_buffer.index_select(0, rows), self.value_buffer.index_select(0, rows)
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+
+
+def decode_cache(config, capacity: int) -> Cache:
+    """A KV cache for decoding sequences of at most `capacity` tokens: preallocated where every
+    layer is plain full attention, transformers' own (sliding windows, hybrid models) otherwise."""
+    cache = DynamicCache(config=config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return cache
+    return Cache(layers=[_GrowingLayer(capacity) for _ in cache.layers])
 
 
 class TransformersEngine:
@@ -165,7 +205,7 @@ class TransformersEngine:
         seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)  # (N, V) for the repetition penalty
         if params.repetition_penalty != 1.0:
             seen.scatter_(1, input_ids, attention.bool())
-        cache, logits = self._prefill(prompts, input_ids, attention, positions)
+        cache, logits = self._prefill(prompts, input_ids, attention, positions, params.max_tokens)
         token_mat, logp_mat, lengths, finished_by_eos = self._decode(cache, logits, attention, positions[:, -1:], seen, generators, params)
         token_mat, logp_mat, lengths, finished_by_eos = token_mat.cpu(), logp_mat.cpu(), lengths.tolist(), finished_by_eos.tolist()
         return [
@@ -178,7 +218,7 @@ class TransformersEngine:
             for i in range(n)
         ]
 
-    def _prefill(self, prompts, input_ids, attention, positions):
+    def _prefill(self, prompts, input_ids, attention, positions, max_tokens: int):
         """Prefill each distinct prompt once (a group's G completions share one), then give every
         sequence its own copy of the prompt's KV cache; returns it and the first logits (N, V)."""
         keys: dict[tuple, int] = {}
@@ -190,7 +230,8 @@ class TransformersEngine:
         index = torch.tensor([keys[tuple(p)] for p in prompts], device=self.device)  # (N,)
         first = torch.tensor(rows, device=self.device)  # (U,)
         out = self.model(
-            input_ids=input_ids[first], attention_mask=attention[first], position_ids=positions[first], use_cache=True, logits_to_keep=1
+            input_ids=input_ids[first], attention_mask=attention[first], position_ids=positions[first],
+            past_key_values=decode_cache(self.model.config, input_ids.shape[1] + max_tokens), use_cache=True, logits_to_keep=1,
         )
         cache = out.past_key_values
         cache.reorder_cache(index)  # (U, ...) -> (N, ...)

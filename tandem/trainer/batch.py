@@ -17,15 +17,17 @@ run for 1589 real ones instead of 4096, and forward + backward take half the tim
 (bench/train_forward.py).
 """
 
-import copy
+import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
 
-from tandem.algo import entropy_from_logits, token_logprobs
 from tandem.rollout.types import Rollout
+from tandem.trainer.head import head_logprobs
 
 # Each bucket is one more forward and backward call through the model, with a fixed cost that it
 # must earn back (on the `small` model on 2 cores, about the work of 100 tokens): one more bucket
@@ -115,56 +117,105 @@ def collate(
     )
 
 
-def _select_rows(cache, rows: torch.Tensor):
-    """A copy of a KV cache holding only `rows` (differentiable: index_select); the original is
-    left as it was, so each bucket starts from the same prompt cache."""
-    out = copy.copy(cache)
-    out.layers = [copy.copy(layer) for layer in cache.layers]
-    out.reorder_cache(rows)
-    return out
+class _PrefixLayer(DynamicLayer):
+    """One layer's keys and values of the prompts. The prompt pass stores its own (made anew each
+    call); a pass that continues the prompts attends over them and its own tokens without storing
+    its own. Either way a second call of a layer on the same inputs gives the same result, as
+    activation checkpointing needs: it calls each layer again in the backward."""
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+        super().__init__()
+        self.prefix = keys is not None
+        if self.prefix:
+            self.lazy_initialization(keys, values)
+            self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.prefix:
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+def _prefix_rows(cache: Cache, rows: torch.Tensor) -> Cache:
+    """The prompts' keys and values for `rows` (index_select: differentiable, so every completion's
+    gradient flows back into the one prompt computation), for a pass that continues them."""
+    return Cache(layers=[_PrefixLayer(layer.keys.index_select(0, rows), layer.values.index_select(0, rows)) for layer in cache.layers])
+
+
+def checkpoint_layers(lm: nn.Module) -> int:
+    """gradient_checkpointing: each decoder layer keeps only its inputs for the backward and runs
+    again there (torch's non-reentrant checkpoint, which restores the RNG state, so dropout draws
+    the same). transformers' own switch drops the KV cache that the prefix-sharing forward needs;
+    this wraps the layers' forward instead, so a sharded model's hooks stay outside, and the
+    cache's layers (_PrefixLayer) give the same result when called again. Returns how many
+    layers it wraps; generation (no gradient) runs them as they are."""
+    layers = [m for m in lm.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.forward = functools.partial(_checkpointed, layer.forward)
+    return len(layers)
+
+
+def _checkpointed(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 class PrefixSharingLM(nn.Module):
     """Wraps a causal LM so that one call computes the completion log-probs of a MicroBatch. One
     module call keeps DDP to one forward per backward, though the prompts and each bucket of
-    completions are separate passes through the model."""
+    completions are separate passes through the model. The output layer runs a chunk of tokens
+    at a time (head.py), on completion tokens only."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+
+    def _hidden(self, **inputs) -> torch.Tensor:
+        """The LM's last hidden states (N, T, H) for `inputs`, without its logits: the LM is called
+        as a whole (a sharded root gathers its weights in its own call) with no position kept for
+        the output layer."""
+        hidden = []
+        hook = self.lm.get_decoder().register_forward_hook(lambda module, args, out: hidden.append(out[0]))
+        try:
+            self.lm(**inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device))
+        finally:
+            hook.remove()
+        return hidden[0]
 
     def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (n, C) of the completion tokens under softmax(logits / temperature), 0 past
         each completion's end, and their entropy (n, C) if asked: a metric without gradient, or
         with `entropy_grad` a term of the loss (an entropy bonus)."""
         positions = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (U, P), as the engine numbered them
-        out = self.lm(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        last = out.logits[:, -1:, :]  # (U, 1, V): the last prompt position predicts token 0
+        cache = Cache(layer_class_to_replicate=_PrefixLayer)
+        last = self._hidden(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=positions, past_key_values=cache, use_cache=True)[:, -1:]  # (U, 1, H): predicts token 0
         prompt_lengths = mb.prompt_mask.sum(-1)  # (U,)
-        C = mb.completion_ids.shape[1]
-        logps, entropies = [], []
+        head = self.lm.get_output_embeddings()
+        n, C = mb.completion_ids.shape
+        logps = torch.zeros((n, C), device=last.device)
+        entropy = torch.zeros((n, C), device=last.device) if with_entropy else None
         for rows, width in mb.buckets:  # rows (n_b,), completions at most `width` long
             idx = mb.prompt_index[rows]  # (n_b,)
-            logits = last[idx]  # (n_b, 1, V)
+            hidden = last[idx]  # (n_b, 1, H)
             if width > 1 or mb.lockstep:
                 fed = max(width - 1, 1)  # in lockstep a bucket of 1-token completions still makes its call
-                rest = self.lm(
+                rest = self._hidden(
                     input_ids=mb.completion_ids[rows, :fed],  # (n_b, fed)
                     attention_mask=torch.cat([mb.prompt_mask[idx], mb.completion_attention[rows, :fed]], dim=1),  # (n_b, P + fed)
                     position_ids=prompt_lengths[idx].unsqueeze(1) + torch.arange(fed, device=idx.device),  # (n_b, fed)
-                    past_key_values=_select_rows(out.past_key_values, idx),
+                    past_key_values=_prefix_rows(cache, idx),
                     use_cache=True,
-                ).logits  # (n_b, fed, V)
-                logits = torch.cat([logits, rest[:, : width - 1]], dim=1)  # (n_b, width, V)
-            tokens = mb.completion_ids[rows, :width]  # (n_b, width)
-            logps.append(F.pad(token_logprobs(logits.float(), tokens, temperature), (0, C - width)))  # (n_b, C)
+                )  # (n_b, fed, H)
+                hidden = torch.cat([hidden, rest[:, : width - 1]], dim=1)  # (n_b, width, H)
+            r, c = mb.completion_attention[rows, :width].nonzero(as_tuple=True)  # the real tokens: bucket row, position
+            lp, ent = head_logprobs(head, hidden[r, c], mb.completion_ids[rows[r], c], temperature, with_entropy, entropy_grad and torch.is_grad_enabled())
+            logps = logps.index_put((rows[r], c), lp)
             if with_entropy:
-                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    entropies.append(F.pad(entropy_from_logits(logits, temperature), (0, C - width)))
-        inverse = torch.argsort(torch.cat([rows for rows, _ in mb.buckets]))  # bucket order -> batch order
-        real = mb.completion_attention.bool()  # (n, C)
-        entropy = torch.cat(entropies)[inverse].masked_fill(~real, 0.0) if with_entropy else None
-        return torch.cat(logps)[inverse].masked_fill(~real, 0.0), entropy  # (n, C)
+                entropy = entropy.index_put((rows[r], c), ent)
+        return logps, entropy
 
 
 def completion_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False):

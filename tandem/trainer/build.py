@@ -218,6 +218,7 @@ def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad
         load_kwargs={**(config.model_init_kwargs or {}), "trust_remote_code": config.trust_remote_code},
         disable_dropout=config.disable_dropout,
         head_in_fp32=config.cast_lm_head_to_fp32 and bool(config.bf16),
+        checkpointing=config.gradient_checkpointing,
         reference=config.beta != 0.0 and not config.use_peft,
         lora=lora.LoraOptions(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules, config.lora_modules_to_save,
                               config.model_name_or_path) if config.use_peft else None,  # fmt: skip

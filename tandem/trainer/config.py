@@ -105,6 +105,7 @@ class TrainConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay.", "batch and schedule")
     adam_beta1: float = opt(0.9, "AdamW beta1.", "batch and schedule")
     adam_beta2: float = opt(0.999, "AdamW beta2.", "batch and schedule")
+    gradient_checkpointing: bool = opt(True, "Activation checkpointing (TRL's default): each decoder layer keeps only its input for the backward and runs again there, about a third more training compute for the memory of one layer's activations instead of every layer's. Results are the same either way.", "batch and schedule")
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", "batch and schedule")
     on_nonfinite: str = opt("skip", "A step whose loss or gradient norm is NaN or inf never updates the weights: 'skip' drops it and counts it in the metric skipped_steps; 'error' stops the run naming the step.", "batch and schedule")
     bf16: bool | None = opt(None, "Train in bf16 mixed precision (through accelerate). Default (none): on with a CUDA GPU that computes bf16, as TRL; off on CPU, where most CPUs emulate bf16 (10-500x slower than fp32) and where tandem's exactness guarantees are stated in fp32.", "batch and schedule")

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 from tandem.data import DataError, encode_prompt, load_prompt_dataset
 from tandem.rollout.weights import host_id
-from tandem.trainer.batch import PrefixSharingLM
+from tandem.trainer.batch import PrefixSharingLM, checkpoint_layers
 from tandem.trainer import lora
 from tandem.trainer.config import ConfigError
 from tandem.trainer.producer import PromptTable
@@ -90,6 +90,7 @@ class PolicyOptions:
     load_kwargs: dict  # from_pretrained's (model_init_kwargs, trust_remote_code)
     disable_dropout: bool
     head_in_fp32: bool  # cast_lm_head_to_fp32, under bf16
+    checkpointing: bool  # gradient_checkpointing
     reference: bool  # a frozen reference model (beta > 0 without LoRA)
     lora: lora.LoraOptions | None  # adapters instead of every weight
     learning_rate: float
@@ -117,6 +118,8 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+    if options.checkpointing:
+        checkpoint_layers(model)
     if shard is not None:
         model = shard(model)
     ref_model = None
