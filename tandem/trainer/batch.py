@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -215,6 +216,8 @@ class PrefixSharingLM(nn.Module):
             logps = logps.index_put((rows[r], c), lp)
             if with_entropy:
                 entropy = entropy.index_put((rows[r], c), ent)
+        if not torch.is_grad_enabled() and isinstance(self.lm, FSDPModule):
+            self.lm.reshard()  # no backward will: a sharded root keeps no gathered copy that could go stale
         return logps, entropy
 
 

@@ -91,7 +91,10 @@ def shard(model: torch.nn.Module, plan: Plan, bf16: bool, device: torch.device) 
     kwargs = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward, "mp_policy": bf16_policy if bf16 else MixedPrecisionPolicy()}
     for unit in units:
         fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    # The root (embeddings, final norm, output layer) stays gathered from its forward to its
+    # backward, torch's default for a root: the output layer runs after the model's call
+    # (head.py), on its gathered weight. Forwards without a backward reshard it themselves.
+    fully_shard(model, **(kwargs | {"reshard_after_forward": False}))
     return model
 
 
