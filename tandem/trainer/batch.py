@@ -18,11 +18,11 @@ run for 1589 real ones instead of 4096, and forward + backward take half the tim
 """
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -216,7 +216,8 @@ class PrefixSharingLM(nn.Module):
             logps = logps.index_put((rows[r], c), lp)
             if with_entropy:
                 entropy = entropy.index_put((rows[r], c), ent)
-        if not torch.is_grad_enabled() and isinstance(self.lm, FSDPModule):
+        fsdp = sys.modules.get("torch.distributed.fsdp")  # a model never sharded in a run that never imported it
+        if not torch.is_grad_enabled() and fsdp is not None and isinstance(self.lm, fsdp.FSDPModule):
             self.lm.reshard()  # no backward will: a sharded root keeps no gathered copy that could go stale
         return logps, entropy
 

@@ -16,15 +16,13 @@ weights are gathered one tensor at a time, on every rank, in the order of named_
 """
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from tandem.rollout.weights import StagedWeights
 from tandem.trainer.config import ConfigError, TrainConfig
@@ -107,7 +105,8 @@ def full_weights(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A sharded tensor (a weight, or the gradient norm of DTensor gradients) whole, as a plain tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    tensor = sys.modules.get("torch.distributed.tensor")  # a run that never imported it holds no DTensor
+    return t.full_tensor() if tensor is not None and isinstance(t, tensor.DTensor) else t
 
 
 def stage(named: Iterable[tuple[str, torch.Tensor]], folder: Path, bucket_bytes: int, is_main: bool) -> StagedWeights | None:
@@ -143,27 +142,41 @@ class Pushes:
             staged.remove()
 
 
+def _dcp():
+    """torch.distributed.checkpoint and its state_dict helpers, imported when a sharded checkpoint
+    is written or read: at the top, importing them would cost every run a second, sharded or not."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as state_dict
+
+    return dcp, state_dict
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reference: torch.nn.Module | None) -> dict:
+    """This rank's shards, as torch.distributed.checkpoint saves and loads them."""
+    _, state_dict = _dcp()
+    model_state, optimizer_state = state_dict.get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if reference is not None:
+        state["reference"] = state_dict.get_model_state_dict(reference)
+    return state
+
+
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, reference: torch.nn.Module | None = None) -> None:
     """Every rank writes its shards of the weights and of the optimizer state into folder/sharded,
     and of a moving reference model's weights (sync_ref_model) when given."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    if reference is not None:
-        state["reference"] = get_model_state_dict(reference)
-    dcp.save(state, checkpoint_id=folder / SHARDED)
+    dcp, _ = _dcp()
+    dcp.save(_state(model, optimizer, reference), checkpoint_id=folder / SHARDED)
 
 
 def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, reference: torch.nn.Module | None = None) -> None:
     """The weights and optimizer state of a checkpoint written by save_checkpoint, into this rank's
     shards (and the reference's, when given)."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    if reference is not None:
-        state["reference"] = get_model_state_dict(reference)
+    dcp, state_dict = _dcp()
+    state = _state(model, optimizer, reference)
     dcp.load(state, checkpoint_id=folder / SHARDED)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if reference is not None:
-        set_model_state_dict(reference, state["reference"])
+        state_dict.set_model_state_dict(reference, state["reference"])
 
 
 def is_sharded(checkpoint: Path) -> bool:
@@ -180,7 +193,7 @@ def load_model(checkpoint: Path) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
     model.generation_config = GenerationConfig.from_pretrained(checkpoint)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=checkpoint / SHARDED, no_dist=True)
+    _dcp()[0].load(state, checkpoint_id=checkpoint / SHARDED, no_dist=True)
     model.load_state_dict(state["model"])
     return model
 
