@@ -8,7 +8,8 @@ Each step: 2 prompts x 4 generations = 8 completions of exactly --lengths tokens
 model almost never ends one early), a reward of random noise (so every group has an advantage),
 beta 0, fp32 (bf16 too where this CPU computes it faster: see the roofline line), with default
 settings otherwise: TRL 1.16 with its own (gradient checkpointing on, colocated transformers
-generation), tandem colocated, and tandem with a rollout server in sync mode. The configurations
+generation), tandem colocated, and tandem with a rollout server in sync mode (and on request
+tandem colocated without gradient checkpointing). The configurations
 alternate within each length, one process at a time.
 
 Printed per configuration: peak RSS of the training process (and of the server), seconds per
@@ -102,9 +103,11 @@ def run(config: str, length: int, bf16: bool, args, tmp: Path, model: Path, data
                "--per_device_train_batch_size", PROMPTS * G, "--num_generations", G, "--max_completion_length", length,
                "--learning_rate", 1e-6, "--lr_scheduler_type", "constant", "--beta", 0, "--loss_type", "dapo",
                "--bf16", str(bf16).lower(), "--save_steps", 0, "--disable_tqdm", "true"]  # fmt: skip
+        if config == "colocate-no-ckpt":
+            cmd += ["--gradient_checkpointing", "false"]
         if config == "server":
             port = free_port()
-            server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "rollout", "--model", model, "--port", port, "--dtype",
+            server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "rollout", "--model", model, "--port", str(port), "--dtype",
                                        "bfloat16" if bf16 else "float32"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             cmd += ["--rollout_mode", "server", "--rollout_server_urls", f"http://127.0.0.1:{port}", "--async_generate", "false",
                     "--rollout_server_timeout", 600]  # fmt: skip
@@ -137,15 +140,15 @@ def report(length: int, dtype: str, results: dict, params: int, peak: float, byt
     floor = 16 * params / 1e9
     print(f"\n8 x {length} tokens, {dtype}; floor (fp32 AdamW state) {floor:.1f} GB; roofline {peak / 1e9:.0f} GFLOP/s; "
           f"copy bandwidth {bytes_per_s / 1e9:.1f} GB/s")  # fmt: skip
-    print(f"{'configuration':<10} {'peak RSS GB':>11} {'x floor':>7} {'server GB':>9} {'s/step':>7} {'tokens/s':>8} {'vs TRL':>7} "
+    print(f"{'configuration':<16} {'peak RSS GB':>11} {'x floor':>7} {'server GB':>9} {'s/step':>7} {'tokens/s':>8} {'vs TRL':>7} "
           f"{'generate s':>10} {'gen %roof':>9} {'gen %bw':>7} {'train s':>8} {'train %roof':>11}")  # fmt: skip
     trl = results.get("trl", {}).get("tokens_per_s")
     weight_bytes = params * (2 if dtype == "bf16" else 4)
     for config, r in results.items():
         if "failed" in r:
-            print(f"{config:<10} {r['peak_rss_gb']:>11.1f} failed: {r['failed'].strip().splitlines()[-1]}")
+            print(f"{config:<16} {r['peak_rss_gb']:>11.1f} failed: {r['failed'].strip().splitlines()[-1]}")
             continue
-        line = (f"{config:<10} {r['peak_rss_gb']:>11.1f} {r['peak_rss_gb'] / floor:>6.2f}x {r['server_rss_gb'] or 0:>9.1f} "
+        line = (f"{config:<16} {r['peak_rss_gb']:>11.1f} {r['peak_rss_gb'] / floor:>6.2f}x {r['server_rss_gb'] or 0:>9.1f} "
                 f"{r['step_s']:>7.1f} {r['tokens_per_s']:>8.1f} {(r['tokens_per_s'] / trl if trl else float('nan')):>6.2f}x")  # fmt: skip
         if config != "trl":
             tokens = r["completion_tokens"]
@@ -161,7 +164,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is left out of the timings")
-    ap.add_argument("--configs", nargs="+", default=["trl", "colocate", "server"], choices=["trl", "colocate", "server"])
+    ap.add_argument("--configs", nargs="+", default=["trl", "colocate", "server"], choices=["trl", "colocate", "colocate-no-ckpt", "server"],
+                    help="colocate-no-ckpt: colocated with gradient_checkpointing false")
     ap.add_argument("--size", default="0.5b", choices=list(SHAPES))
     ap.add_argument("--bf16", default="auto", choices=["auto", "always", "never"])
     args = ap.parse_args()

@@ -164,12 +164,18 @@ def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):
     return sum(saved), loss.detach(), {n: p.grad.clone() for n, p in params.items()}
 
 
-def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(monkeypatch):
-    # A vocabulary of 1000 in chunks of 16 tokens, 50 tokens, a head with a bias, temperature 0.7.
+@pytest.mark.parametrize("plain", [True, False])
+def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(monkeypatch, plain):
+    # A vocabulary of 1000 in chunks of 16 tokens, 50 tokens, a head with a bias, temperature 0.7;
+    # a plain Linear (its backward written out) or one whose forward is replaced, as an fp32 head
+    # or an adapter is (its backward through autograd).
     monkeypatch.setattr(head_module, "HEAD_CHUNK_BYTES", 16 * 4 * 1000)
     assert head_module.chunk_tokens(1000) == 16
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(32, 1000)
+    if not plain:
+        head.forward = lambda x: torch.nn.functional.linear(x, head.weight, head.bias)
+    assert head_module._plain_linear(head) == plain
     hidden = torch.randn(50, 32, generator=g).requires_grad_()
     params = {"hidden": hidden, **dict(head.named_parameters())}
     tokens = torch.randint(0, 1000, (50,), generator=g)
