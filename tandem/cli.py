@@ -1,6 +1,7 @@
 """The `tandem` command: train, rollout, init-model, merge, export, eval, plot, show, demo."""
 
 import argparse
+import ctypes
 import logging
 import os
 import sys
@@ -256,11 +257,26 @@ def _log_to_stderr() -> None:
     log.propagate = False
 
 
+def _return_freed_memory() -> None:
+    """Tensors of 1 MiB or more go back to the OS as soon as they are freed: glibc maps each such
+    block on its own, and torch backs large ones with huge pages. Otherwise glibc's heap keeps
+    freed blocks under a threshold that grows to 32 MB, fragmented, and a training step peaks
+    well above what it holds live: at the Qwen2.5-0.5B shape, 11.6 GB against 9.4 GB (the floor
+    of fp32 AdamW is 7.9), for about 8% more time per step (bench/scale.py's figures). Runs
+    before torch is imported: it reads THP_MEM_ALLOC_ENABLE once."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: another allocator, left as it is
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 2 a user's mistake (a config value, a dataset, a reward function), one
     message naming it and the fix, the traceback only with TANDEM_DEBUG=1; 1 a failure (a server
     gone, a round never came, a checkpoint the disk could not hold, a non-finite step under
     on_nonfinite error); 143 stopped by SIGTERM, with a checkpoint."""
+    _return_freed_memory()
     from tandem.data import DataError
     from tandem.rewards import RewardError
     from tandem.rollout.client import RolloutServerError
