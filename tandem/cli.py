@@ -261,9 +261,10 @@ def _return_freed_memory() -> None:
     """Tensors of 1 MiB or more go back to the OS as soon as they are freed: glibc maps each such
     block on its own, and torch backs large ones with huge pages. Otherwise glibc's heap keeps
     freed blocks under a threshold that grows to 32 MB, fragmented, and a training step peaks
-    well above what it holds live: at the Qwen2.5-0.5B shape, 11.6 GB against 9.4 GB (the floor
-    of fp32 AdamW is 7.9), for about 8% more time per step (bench/scale.py's figures). Runs
-    before torch is imported: it reads THP_MEM_ALLOC_ENABLE once."""
+    well above what it holds live. At the Qwen2.5-0.5B shape (the floor of fp32 AdamW is 7.9 GB):
+    two training steps alone peaked at 11.6 GB against 9.4 GB, the second step 8% slower;
+    bench/scale.py's colocated run at 12.2 GB against 9.5 GB. Runs before torch is imported:
+    torch reads THP_MEM_ALLOC_ENABLE once."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD

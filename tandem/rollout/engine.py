@@ -80,8 +80,8 @@ def seed_bits(seed: int) -> int:
 class _GrowingLayer(DynamicLayer):
     """One layer's keys and values in buffers as long as the whole sequence will be, filled as it
     grows: a decode step writes its own token's, where DynamicLayer copies the whole cache to
-    append one (at 1,024 tokens that copy is most of a step's memory traffic past the weights),
-    and attention reads the filled part as a view."""
+    append one (a third of the decode loop's time on the `small` model, docs/benchmarks.md), and
+    attention reads the filled part as a view."""
 
     def __init__(self, capacity: int):
         super().__init__()

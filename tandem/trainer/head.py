@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 # The fp32 logits of one chunk: 64 MiB, 110 tokens of a 151,936-token vocabulary (a few such
-# buffers live at once: logits, softmax, their gradient). Larger chunks measured no faster.
+# buffers live at once: logits, softmax, their gradient). Not tuned: other sizes were not measured.
 HEAD_CHUNK_BYTES = 64 << 20
 
 
@@ -34,8 +34,7 @@ def _chunk(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperat
 
 class _ChunkedHead(torch.autograd.Function):
     """Inputs: hidden (T, H) and the head's trainable parameters (for their gradients); the head
-    module itself, so an fp32 head, an adapter on it or a sharded model's hooks apply as in a
-    plain call. Autocast as it was at the forward is restored for the backward's recompute."""
+    module itself, so an fp32 head or an adapter on it computes as in a plain call. Autocast as it was at the forward is restored for the backward's recompute."""
 
     @staticmethod
     def forward(ctx, hidden, tokens, head, temperature, with_entropy, entropy_grad, *params):
