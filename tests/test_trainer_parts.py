@@ -189,14 +189,21 @@ def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(mo
         logp, entropy = head_logprobs(head, hidden, tokens, 0.7, with_entropy=True, entropy_grad=True)
         return (logp * weights[0] + entropy * weights[1]).sum()
 
-    whole_bytes, whole_loss, expected = _saved_bytes_and_gradients(params, whole)
-    chunk_bytes, chunk_loss, got = _saved_bytes_and_gradients(params, chunked)
+    whole_bytes, _, expected = _saved_bytes_and_gradients(params, whole)
+    chunk_bytes, _, got = _saved_bytes_and_gradients(params, chunked)
     # Kept for the backward: the hidden states, tokens and the head's weights, no logits (a
     # (50, 1000) fp32 copy is 200 kB; the whole computation keeps several).
     assert chunk_bytes < 50 * 1000 * 4 < whole_bytes, (chunk_bytes, whole_bytes)
-    assert abs(float(chunk_loss - whole_loss)) <= 1e-6 * abs(float(whole_loss))
+    with torch.no_grad():  # each token's log-prob and entropy (the losses' sums cancel too much to compare)
+        logits = head(hidden).unsqueeze(0)
+        want = torch.stack([token_logprobs(logits, tokens[None], 0.7)[0], entropy_from_logits(logits, 0.7)[0]])  # (2, 50)
+        values = torch.stack(head_logprobs(head, hidden, tokens, 0.7, with_entropy=True))  # (2, 50)
+    assert (values - want).abs().max() <= 1e-6 * want.abs().max()
+    # Through autograd each chunk's weight gradient is a tensor of its own, summed one by one in
+    # fp32: measured up to 1.2e-6 relative (where the memory lies changes the kernels' rounding).
+    bound = 1e-6 if plain else 2e-6
     for name, grad in expected.items():
-        assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
+        assert (got[name] - grad).norm() <= bound * grad.norm(), name
     # The entropy as a metric carries no gradient.
     assert not head_logprobs(head, hidden, tokens, 0.7, with_entropy=True)[1].requires_grad
 
@@ -215,7 +222,7 @@ def test_gradient_checkpointing_keeps_less_for_the_backward_and_changes_no_gradi
     plain_bytes, plain_loss, expected = _saved_bytes_and_gradients(params, run)
     assert checkpoint_layers(lm) == lm.config.num_hidden_layers
     ckpt_bytes, ckpt_loss, got = _saved_bytes_and_gradients(params, run)
-    assert ckpt_bytes < plain_bytes / 2, (ckpt_bytes, plain_bytes)  # measured: CKPT_RATIO
+    assert ckpt_bytes < plain_bytes / 2, (ckpt_bytes, plain_bytes)  # measured: 0.15 of it
     assert torch.equal(ckpt_loss, plain_loss)
     for name, grad in expected.items():
         assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
