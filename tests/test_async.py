@@ -196,14 +196,22 @@ def test_a_failing_trainer_exits_within_seconds_while_a_stopped_server_holds_its
     out = tmp_path / "run"
     args = base_args(tiny_model, data, out, 16, "--max_steps", "1000", "--rollout_mode", "server", "--rollout_server_urls", server.url,
                      "--async_generate", "true", "--rollout_request_timeout", "120")  # fmt: skip
-    trainer = subprocess.Popen(command(1, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    # SIGINT as a terminal delivers it: a suite started in the background (`.ci/run &`) hands its
+    # processes SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+    trainer = subprocess.Popen(command(1, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**ENV, "PYTHONFAULTHANDLER": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         wait_for_step(out, 2, trainer)
         os.kill(server.proc.pid, signal.SIGSTOP)  # from now on every request is held
         time.sleep(1.0)  # the producer's next request is in flight
         trainer.send_signal(signal.SIGINT)  # the trainer fails: a user's Ctrl-C
         start = time.monotonic()
-        _, stderr = trainer.communicate(timeout=150)
+        try:
+            _, stderr = trainer.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # faulthandler prints where each thread waits (seen once in CI, not since)
+            trainer.send_signal(signal.SIGABRT)
+            _, stderr = trainer.communicate(timeout=30)
+            raise AssertionError(f"the trainer did not exit within 60s of SIGINT; its threads:\n{stderr[-12000:]}") from None
         took = time.monotonic() - start
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
