@@ -15,11 +15,27 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
 from tandem.data import encode_prompt
 
 PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# ChatML, with tools in Qwen2.5's way: listed in a system turn, called as
+# <tool_call>{json}</tool_call> in the assistant's text, answered in <tool_response> blocks of a
+# user turn. The tool list is short (names and arguments, not the JSON schemas) to suit a small
+# context. Without tools it renders plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n' }}{% endif %}"
+    "{{ 'Tools:' }}{% for tool in tools %}{{ ' ' + tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | list | join(', ')) + ')' }}{% endfor %}"
+    "{{ '. Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '\\n<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' + (call['function']['arguments'] | tojson) + '}</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 # name -> (hidden_size, intermediate_size, layers, heads, kv_heads)

@@ -61,6 +61,7 @@ def test_the_same_options_keep_trls_default(name):
         "model_init_kwargs": None, "trust_remote_code": False, "scale_rewards": "group", "gradient_accumulation_steps": 1,
         "per_device_train_batch_size": 8, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "max_grad_norm": 1.0,
         "warmup_ratio": 0.0, "seed": 42, "save_total_limit": None, "ddp_timeout": 1800.0, "lr_scheduler_type": "linear",
+        "max_tool_calling_iterations": None,
     }  # fmt: skip
     if name not in trl_defaults:
         pytest.skip(f"{name}: a TrainingArguments option whose default is the run's own (output_dir, max_steps, ...)")

@@ -2,8 +2,6 @@
 weights, timeouts, errors."""
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
 import sys
@@ -14,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from tandem.loading import load_object
 from tandem.rewards import model as reward_model
 from tandem.rewards.builtin import BUILTIN_REWARDS, completion_text
 from tandem.rewards.workers import PooledReward, WorkerPool
@@ -52,32 +51,7 @@ def load_reward_fn(spec: str, model_options: dict | None = None) -> RewardFn:
             f"reward_funcs entry {spec!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
             "nor of the form 'path/to/file.py:function' or 'package.module:function'"
         )
-    where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise FileNotFoundError(f"reward_funcs entry {spec!r}: file {path} does not exist")
-        module = _file_module(path)
-    else:
-        module = importlib.import_module(where)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"reward_funcs entry {spec!r}: {where} has no function {name!r}")
-    return fn
-
-
-_FILE_MODULES: dict[Path, object] = {}
-
-
-def _file_module(path: Path):
-    """The module of a reward file, run once: its functions share its globals, as after an import."""
-    key = path.resolve()
-    if key not in _FILE_MODULES:
-        module_spec = importlib.util.spec_from_file_location(f"tandem_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        _FILE_MODULES[key] = module
-    return _FILE_MODULES[key]
+    return load_object(spec, "reward_funcs entry")
 
 
 def reward_name(spec: str) -> str:

@@ -67,7 +67,15 @@ def accuracy(prompts, completions, solution=None, **kwargs) -> list[float | None
     return rewards
 
 
+def environment(prompts, completions, environment_reward=None, **kwargs) -> list[float | None]:
+    """Each trajectory's environment's get_reward() (multi-turn runs with environment_factory)."""
+    if environment_reward is None:
+        raise ValueError("the environment reward needs environment_factory, with a class that has get_reward()")
+    return list(environment_reward)
+
+
 BUILTIN_REWARDS = {
+    "environment": environment,
     "exact_match": exact_match,
     "accuracy": accuracy,
     "think_format": think_format,

@@ -58,10 +58,19 @@ class Rollout:
     group_id: int  # the prompt slot this completion belongs to; its G completions share it
     prompt_ids: list[int]
     completion_ids: list[int]
-    behav_logprobs: list[float]  # per completion token, from the engine that sampled it
+    behav_logprobs: list[float]  # per completion token, from the engine that sampled it (0.0 on inserted tokens)
     finish_reason: str
-    version: int  # policy version of the weights that generated it
+    version: int  # policy version of the weights that generated it (of a multi-turn one, its oldest turn's)
     extra: dict = field(default_factory=dict)  # dataset columns, passed to reward functions
+    # Multi-turn: 1 on the model's tokens, 0 on inserted ones (tool results, observations,
+    # template glue), which are out of the loss, the KL and the entropy. None: all the model's.
+    loss_mask: list[int] | None = None
+    turns: dict | None = None  # multi-turn: messages, tool calls, versions of its turns (multiturn.Trajectory.info)
+
+    @property
+    def model_tokens(self) -> int:
+        """Completion tokens the model produced (the ones the loss counts)."""
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def truncated(self) -> bool:

@@ -105,6 +105,9 @@ def collate(
         completion[i, : len(r.completion_ids)] = torch.tensor(r.completion_ids, dtype=torch.long)
         attention[i, : len(r.completion_ids)] = 1
     loss_mask = attention.clone()
+    for i, r in enumerate(rollouts):
+        if r.loss_mask is not None:  # a multi-turn trajectory: its inserted tokens are out of the loss
+            loss_mask[i, : len(r.loss_mask)] = torch.tensor(r.loss_mask, dtype=torch.long)
     loss_mask[torch.tensor([not r.in_loss(mask_truncated) for r in rollouts])] = 0
     return MicroBatch(
         prompt_ids=prompt.to(device),

@@ -36,10 +36,13 @@ from safetensors.torch import load_model
 from tandem import rewards as rewards_lib
 from tandem.algo import Objective
 from tandem.data import GroupSampler
+from tandem.loading import load_object
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
+from tandem.rollout.multiturn import MultiTurn, Rollouts, SingleTurn
+from tandem.rollout.tools import INVALID_CALL, UNKNOWN_TOOL, environment_tools, load_tools
 from tandem.trainer import checkpoint, lora, metrics, sharding
 from tandem.trainer.batch import PrefixSharingLM
-from tandem.trainer.config import TrainConfig, resume_changes
+from tandem.trainer.config import ConfigError, TrainConfig, resume_changes
 from tandem.trainer.dist import Dist
 from tandem.trainer.eval import Evaluator
 from tandem.trainer.learner import EntropyBonus, Learner, LossSettings, ReferenceSync
@@ -70,6 +73,7 @@ class Schedule:
     asynchronous: bool
     dynamic_sample: bool
     output_dir: str
+    tool_names: list[str] | None = None  # a multi-turn run's tools (metrics per tool); None: one turn
 
 
 @dataclass
@@ -126,9 +130,13 @@ def build(config: TrainConfig) -> Run:
     # Cheap checks first: reward functions and the dataset fail before the model loads.
     reward_fns = config.load_rewards()
     tokenizer, max_len = load_tokenizer(config.model_name_or_path, config.trust_remote_code)
+    rollouts, template_kwargs, tool_names = _turns(config, tokenizer)
     prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length,
-                            config.chat_template_kwargs or {})  # fmt: skip
+                            template_kwargs)  # fmt: skip
     table, skipped = load_prompts(config.dataset_name, tokenizer, prompts, max_len)
+    if tool_names is not None and not all(table.conversational):
+        raise ConfigError(f"tools and environment_factory need chat prompts (lists of messages) to render turns with the chat template; "
+                          f"{config.dataset_name} has plain-text prompts")  # fmt: skip
     eval_table = load_prompts(config.eval_dataset, tokenizer, prompts, max_len)[0] if config.eval_dataset else None
     if skipped and dist.is_main:
         print(f"tandem: skipped {skipped} prompts longer than max_prompt_length={config.max_prompt_length}")
@@ -144,7 +152,7 @@ def build(config: TrainConfig) -> Run:
         all_done = None if plan is None else lambda done: dist.all_collective(done, "sequences done (sharded decoding)")
         engine, push = TransformersEngine(learner.lm, eos_ids, tokenizer.pad_token_id, state.version, all_done), None
     engine.version = state.version
-    producer = _producer(config, dist, table, tokenizer, reward_fns, engine)
+    producer = _producer(config, dist, table, tokenizer, reward_fns, engine, rollouts)
     if not saved:
         state.sampler = producer.sampler.state_dict()
     checkpointer = checkpoint.Checkpointer(out, dist, learner, producer, tokenizer, config.to_dict(), config.save_total_limit, plan is not None)
@@ -160,8 +168,8 @@ def build(config: TrainConfig) -> Run:
     evaluator = None
     if eval_table is not None:
         evaluator = Evaluator(engine, tokenizer, eval_table, reward_fns, config.sampling_params(), config.eval_num_generations, config.eval_greedy,
-                              config.seed, config.eval_pass_threshold, dist, every_rank=plan is not None and servers is None)  # fmt: skip
-    return Run(_schedule(config), dist, state, learner, producer, sync, checkpointer, log, evaluator, tokenizer, reward_fns, skipped, servers, pushes)
+                              config.seed, config.eval_pass_threshold, dist, every_rank=plan is not None and servers is None, rollouts=rollouts)  # fmt: skip
+    return Run(_schedule(config, tool_names), dist, state, learner, producer, sync, checkpointer, log, evaluator, tokenizer, reward_fns, skipped, servers, pushes)
 
 
 def _accelerator(config: TrainConfig) -> Accelerator:
@@ -305,13 +313,32 @@ def _servers(config: TrainConfig, dist: Dist, learner: Learner, state: TrainStat
     return servers, pushes, push_collective
 
 
-def _producer(config: TrainConfig, dist: Dist, table, tokenizer, reward_fns, engine) -> SyncProducer:
+def _turns(config: TrainConfig, tokenizer) -> tuple[Rollouts, dict, list[str] | None]:
+    """How prompts become trajectories, the chat template's arguments (the tools' schemas
+    included), and the names multi-turn metrics count tool calls under (None: one turn)."""
+    template_kwargs = dict(config.chat_template_kwargs or {})
+    if not config.multi_turn():
+        return SingleTurn(), template_kwargs, None
+    try:
+        tools = load_tools(config.tools)
+        factory = load_object(config.environment_factory, "environment_factory", "class") if config.environment_factory else None
+        every_tool = tools + (environment_tools(factory()) if factory else [])  # the schemas of an environment's methods, from one instance
+    except (ValueError, OSError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if every_tool:
+        template_kwargs["tools"] = [t.schema for t in every_tool]
+    rollouts = MultiTurn(tokenizer, template_kwargs, config.model_name_or_path, tools, factory, config.tool_parser, config.tool_turns(),
+                         config.max_completion_length, config.tool_timeout, config.max_tool_response_tokens)  # fmt: skip
+    return rollouts, template_kwargs, [t.name for t in every_tool] + [INVALID_CALL, UNKNOWN_TOOL]
+
+
+def _producer(config: TrainConfig, dist: Dist, table, tokenizer, reward_fns, engine, rollouts: Rollouts) -> SyncProducer:
     """The rounds, from this rank's share of the prompt stream: generated when the loop asks
     (sync), or ahead of it in a background thread (async)."""
     G = config.num_generations
     sampler = GroupSampler(len(table.prompt_ids), config.completions_per_round() // G, config.seed, dist.rank, dist.world, config.shuffle_dataset)
     args = (table, sampler, engine, tokenizer, reward_fns, config.sampling_params(), G, config.seed)
-    resample = {"max_resample_times": config.max_resample_times if config.dynamic_sample else None}
+    resample = {"max_resample_times": config.max_resample_times if config.dynamic_sample else None, "rollouts": rollouts}
     if not config.async_generate:
         return SyncProducer(*args, **resample)
     last_round = math.ceil(config.max_steps / config.steps_per_round()) - 1
@@ -329,7 +356,7 @@ def _resume_logs(out: Path, dist: Dist, resume_dir: Path, state: TrainState) -> 
     print(f"tandem: resumed from {resume_dir} at step {state.step}, policy version {state.version}", flush=True)
 
 
-def _schedule(config: TrainConfig) -> Schedule:
+def _schedule(config: TrainConfig, tool_names: list[str] | None) -> Schedule:
     return Schedule(
         max_steps=config.max_steps,
         num_generations=config.num_generations,
@@ -347,4 +374,5 @@ def _schedule(config: TrainConfig) -> Schedule:
         asynchronous=config.async_generate,
         dynamic_sample=config.dynamic_sample,
         output_dir=config.output_dir,
+        tool_names=tool_names,
     )

@@ -238,7 +238,7 @@ OPTIONS: dict[str, Option] = {
     "entropy_coef_max": Option(SAME, "adaptive entropy bonus"),
     "entropy_coef_delta": Option(SAME, "adaptive entropy bonus"),
     "entropy_target": Option(SAME, "adaptive entropy bonus"),
-    "max_tool_calling_iterations": refuse_if_given("tools and multi-turn rollouts are not built in tandem yet; drop max_tool_calling_iterations"),
+    "max_tool_calling_iterations": Option(SAME, "most tool-calling turns per trajectory"),
     "vllm_importance_sampling_correction": Option(MAPPED, "false: `off_policy_correction none`", lambda v, _: ({} if _bool(v) else {"off_policy_correction": "none"}, None)),
     "vllm_importance_sampling_mode": rename("off_policy_correction"),
     "vllm_importance_sampling_clip_max": rename("importance_sampling_cap"),

@@ -92,6 +92,14 @@ class TrainConfig:
     dynamic_sample: bool = opt(False, "DAPO's dynamic sampling: groups whose rewards all agree (zero std, no learning signal) are replaced by groups of new prompts.", "rewards")
     max_resample_times: int = opt(3, "With dynamic_sample: at most this many draws of new prompts per round; a round still short keeps some agreeing groups.", "rewards")
 
+    # --- tools and multi-turn ---
+    tools: list[str] = opt([], "Tools the model may call: built-in names (calculator), 'path/file.py:fn' or 'package.module:fn' (plain or async def, with type hints and a docstring). Their JSON schemas go to the chat template; calls in the model's text are run and their results appended as tool messages, turn after turn. Needs chat prompts.", "tools and multi-turn")
+    environment_factory: str | None = opt(None, "'path/file.py:Class' or 'module:Class': one instance per trajectory; reset(**row) may return text appended to the prompt, its public methods are tools, an optional step(text) gives the next observation (a user message; None ends the trajectory), an optional get_reward() is the reward function 'environment'.", "tools and multi-turn")
+    max_tool_calling_iterations: int | None = opt(None, "Most turns that call tools per trajectory; none: until a turn calls none or max_completion_length is filled (TRL's).", "tools and multi-turn")
+    tool_parser: str = opt("hermes", "How tool calls are found in the model's text: 'hermes', <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Qwen3).", "tools and multi-turn")
+    tool_timeout: float = opt(30.0, "Seconds one tool call may take; a call past it gives the model an error message as its result.", "tools and multi-turn")
+    max_tool_response_tokens: int | None = opt(None, "Cut a tool's result to this many tokens; none: no cut (max_completion_length still bounds the trajectory).", "tools and multi-turn")
+
     # --- batch and schedule ---
     max_steps: int = opt(100, "Optimizer steps to train.", "batch and schedule")
     per_device_train_batch_size: int = opt(8, "Completions per micro-batch on each process (TRL's meaning: completions, not prompts).", "batch and schedule")
@@ -229,8 +237,16 @@ class TrainConfig:
         if self.reward_timeout is None:
             return None
         calls = 1 + (self.max_resample_times if self.dynamic_sample else 0)
-        per_call = self.rollout_server_timeout + self.rollout_request_timeout + len(self.reward_funcs) * self.reward_timeout
-        return calls * per_call + 60.0
+        turns = 1 + self.tool_turns() if self.multi_turn() else 1
+        generate = turns * (self.rollout_server_timeout + self.rollout_request_timeout) + (turns - 1) * self.tool_timeout
+        return calls * (generate + len(self.reward_funcs) * self.reward_timeout) + 60.0
+
+    def multi_turn(self) -> bool:
+        return bool(self.tools) or self.environment_factory is not None
+
+    def tool_turns(self) -> int:
+        """Most turns after the first: max_tool_calling_iterations, or as many as max_completion_length allows."""
+        return self.max_completion_length if self.max_tool_calling_iterations is None else self.max_tool_calling_iterations
 
     def validate(self) -> None:
         """Every check that needs no model: run before anything loads."""
@@ -243,10 +259,23 @@ class TrainConfig:
         self._validate_batch(need)
         self._validate_loss_and_rewards(need)
         self._validate_fsdp(need)
+        self._validate_tools(need)
         try:
             self.sampling_params().validate()
         except ValueError as exc:
             raise ConfigError(str(exc).replace("max_tokens", "max_completion_length")) from None
+
+    def _validate_tools(self, need) -> None:
+        from tandem.rollout.tools import TOOL_PARSERS
+
+        need(self.tool_parser in TOOL_PARSERS, "tool_parser", f"must be one of {', '.join(TOOL_PARSERS)}")
+        need(self.tool_timeout > 0, "tool_timeout", "must be > 0 seconds")
+        need(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0, "max_tool_calling_iterations", "must be >= 0, or none")
+        need(self.max_tool_response_tokens is None or self.max_tool_response_tokens >= 1, "max_tool_response_tokens", "must be >= 1, or none")
+        need(not (self.multi_turn() and self.fsdp and self.rollout_mode == "colocate"), "fsdp",
+             "multi-turn rollouts (tools, environment_factory) with a sharded colocated engine are not built: use rollout_mode server, or DDP")  # fmt: skip
+        need("environment" not in self.reward_funcs or self.environment_factory is not None, "reward_funcs",
+             "the reward 'environment' is an environment's get_reward(): give environment_factory too")  # fmt: skip
 
     def _validate_run(self, need) -> None:
         """Every number finite; the model, data, seed, and how generation is done."""

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from tandem import rewards as rewards_lib
-from tandem.rollout.types import Rollout, SamplingParams
-from tandem.trainer.producer import PromptTable, completion_seed, score_rollouts
+from tandem.rollout.multiturn import Rollouts, SingleTurn
+from tandem.rollout.types import SamplingParams
+from tandem.trainer.producer import PromptTable, completion_seed, score_rollouts, table_prompts, to_rollout
 
 EVAL_ROUND = -2  # the seeds' round index: no training round has it
 
@@ -30,20 +31,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(engine, tokenizer, table: PromptTable, reward_fns, params: SamplingParams, num_generations: int, greedy: bool,
-             seed: int, pass_threshold: float, min_version: int = 0) -> dict:  # fmt: skip
+             seed: int, pass_threshold: float, min_version: int = 0, rollouts: Rollouts | None = None) -> dict:  # fmt: skip
     """eval/* metrics of `engine` on every prompt of `table`: num_generations completions each
     with `params`, or with `greedy` one from greedy decoding (top_k 1 draws the likeliest token)."""
     t = time.perf_counter()
     G = 1 if greedy else num_generations
     params = replace(params, top_k=1) if greedy else params
-    prompt_ids = [ids for ids in table.prompt_ids for _ in range(G)]
+    prompts = table_prompts(table, [i for i in range(len(table.prompt_ids)) for _ in range(G)])
     seeds = [completion_seed(seed, EVAL_ROUND, i, g) for i in range(len(table.prompt_ids)) for g in range(G)]
-    outs = engine.generate(prompt_ids, params, seeds, min_version=min_version)
-    rollouts = [
-        Rollout(prompt_index=k // G, group_id=k // G, prompt_ids=prompt_ids[k], completion_ids=o.token_ids,
-                behav_logprobs=o.logprobs, finish_reason=o.finish_reason, version=o.version)  # fmt: skip
-        for k, o in enumerate(outs)
-    ]
+    outs = (rollouts or SingleTurn()).generate(engine, prompts, params, seeds, min_version)
+    rollouts = [to_rollout(o, prompts[k], k // G, k // G) for k, o in enumerate(outs)]
     scores, _ = score_rollouts(table, tokenizer, reward_fns, params.max_tokens, rollouts)  # (N, F)
     reward = rewards_lib.combine(scores, [r.weight for r in reward_fns])  # (N,)
     passed = (reward >= pass_threshold).reshape(-1, G).sum(1).tolist()  # per prompt
@@ -52,7 +49,7 @@ def evaluate(engine, tokenizer, table: PromptTable, reward_fns, params: Sampling
         out[f"eval/rewards/{fn.name}/mean"] = scores[:, j].nanmean().item()
     for k in sorted({1, G}):
         out[f"eval/pass@{k}"] = sum(pass_at_k(G, c, k) for c in passed) / len(passed)
-    lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)
+    lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)  # every token after the prompt
     out["eval/completions/mean_length"] = lengths.mean().item()
     out["eval/completions/truncated_ratio"] = sum(o.finish_reason == "length" for o in outs) / len(outs)
     out["eval/prompts"] = len(table.prompt_ids)
@@ -114,10 +111,10 @@ class Evaluator:
     forwards is a collective)."""
 
     def __init__(self, engine, tokenizer, table: PromptTable, reward_fns, params: SamplingParams, num_generations: int, greedy: bool,
-                 seed: int, pass_threshold: float, dist, every_rank: bool):  # fmt: skip
+                 seed: int, pass_threshold: float, dist, every_rank: bool, rollouts: Rollouts | None = None):  # fmt: skip
         self.engine, self.tokenizer, self.table, self.reward_fns, self.params = engine, tokenizer, table, reward_fns, params
         self.num_generations, self.greedy, self.seed, self.pass_threshold = num_generations, greedy, seed, pass_threshold
-        self.dist, self.every_rank = dist, every_rank
+        self.dist, self.every_rank, self.rollouts = dist, every_rank, rollouts
 
     def run_collective(self, version: int) -> dict | None:
         """The eval/* metrics on rank 0 (None elsewhere); every rank waits for them."""
@@ -127,6 +124,6 @@ class Evaluator:
                 self.dist.enter("evaluation (sharded engine)")
             with self.dist.accelerator.autocast():
                 results = evaluate(self.engine, self.tokenizer, self.table, self.reward_fns, self.params, self.num_generations, self.greedy,
-                                   self.seed, self.pass_threshold, min_version=version)  # fmt: skip
+                                   self.seed, self.pass_threshold, min_version=version, rollouts=self.rollouts)  # fmt: skip
         self.dist.barrier_collective("evaluation done")
         return results if self.dist.is_main else None

@@ -196,7 +196,7 @@ def prepare_collective(run: Run, rnd: Round) -> Prepared:
     for it, order in enumerate(orders):
         for step in range(s.steps_per_pass):
             idx = [i for mb in _micro_batches(s, order, step) for i in mb]  # the step's sequences, as trained
-            counts[it, step] = sum(len(rollouts[i].completion_ids) for i in idx if rollouts[i].in_loss(s.mask_truncated))
+            counts[it, step] = sum(rollouts[i].model_tokens for i in idx if rollouts[i].in_loss(s.mask_truncated))
     step_tokens = dist.sum_collective(counts, "step tokens")
     return Prepared(rollouts, table, all_rewards, advantages, advantages[dist.rank * n : (dist.rank + 1) * n], adv_stats, lengths, truncated,
                     resampling, old_logps, ref_logps, behav_logps, staleness, orders, step_tokens)  # fmt: skip
@@ -232,6 +232,10 @@ def step_record_collective(run: Run, rnd: Round, batch: Prepared, loss_sum, grad
         dropped, resampled = batch.resampling.tolist() if first else (0, 0)
         record.update({"dynamic_sample/dropped_groups": dropped, "dynamic_sample/resampled_completions": resampled})
     record.update(batch.staleness)
+    if run.schedule.tool_names is not None:  # a multi-turn run
+        totals, longest = metrics.turn_counts(rnd.rollouts, run.schedule.tool_names)
+        longest = dist.gather_collective(longest.view(1), "most turns").max().item()
+        record.update(metrics.turn_metrics(dist.sum_collective(totals, "turn counts"), longest, run.schedule.tool_names))
     return record
 
 

@@ -139,6 +139,41 @@ def round_metrics(rnd, reward_names: list[str], table, rewards, adv_stats, lengt
     return m
 
 
+def turn_counts(rollouts, tool_names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's multi-turn counts, to be summed over ranks (trajectories, turns, tool seconds,
+    trajectories whose template rewrote them, then calls and failures per tool), and its most turns."""
+    per_tool = torch.zeros((len(tool_names), 2))  # (tools, [calls, failures])
+    turns = [ro.turns["turns"] for ro in rollouts]
+    seconds = rewrites = 0.0
+    for ro in rollouts:
+        seconds += sum(c["seconds"] for c in ro.turns["tool_calls"])
+        rewrites += ro.turns["template_rewrites"] > 0
+        for c in ro.turns["tool_calls"]:
+            per_tool[tool_names.index(c["name"])] += torch.tensor([1.0, 0.0 if c["ok"] else 1.0])
+    head = torch.tensor([len(rollouts), sum(turns), seconds, rewrites])
+    return torch.cat([head, per_tool.flatten()]), torch.tensor(float(max(turns)))
+
+
+def turn_metrics(totals: torch.Tensor, longest: float, tool_names: list[str]) -> dict:
+    """multi_turn/* and tools/* from turn_counts summed over ranks. Frequencies are per
+    trajectory (TRL's tools/call_frequency); a failure is a call that did not return a usable result."""
+    n, turns, seconds, rewrites = totals[:4].tolist()
+    per_tool = totals[4:].view(-1, 2)  # (tools, [calls, failures])
+    calls, failures = per_tool.sum(0).tolist()
+    m = {
+        "multi_turn/turns/mean": turns / n,
+        "multi_turn/turns/max": longest,
+        "multi_turn/template_rewrites": rewrites / n,
+        "tools/call_frequency": calls / n,
+        "tools/failure_frequency": failures / max(calls, 1.0),
+        "time/tools": seconds,
+    }
+    for name, (c, f) in zip(tool_names, per_tool.tolist()):
+        m[f"tools/{name}/call_frequency"] = c / n
+        m[f"tools/{name}/failure_frequency"] = f / max(c, 1.0)
+    return m
+
+
 def completion_records(rnd, tokenizer, reward_names: list[str], rewards, advantages, step: int, limit: int) -> list[dict]:
     """The first `limit` completions of this rank's round, decoded, with their rewards, for completions.jsonl."""
     shown = rnd.rollouts[:limit]

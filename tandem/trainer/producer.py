@@ -22,22 +22,13 @@ from tandem import rewards as rewards_lib
 from tandem.algo import zero_std_groups
 from tandem.data import GroupSampler
 from tandem.rollout.engine import Engine
+from tandem.rollout.multiturn import Prompt, Rollouts, SingleTurn, Trajectory
+from tandem.rollout.sampling import mix64
 from tandem.rollout.types import Rollout, SamplingParams
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(x: int) -> int:
-    """splitmix64 finaliser: a stable integer hash (Python's hash() is not meant for seeds)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
 
 def completion_seed(seed: int, round_index: int, slot: int, generation: int) -> int:
     """Seed of one completion, from where it sits in the run, not from which rank or batch made it."""
-    return _mix(_mix(_mix(_mix(seed) ^ round_index) ^ slot) ^ generation)
+    return mix64(mix64(mix64(mix64(seed) ^ round_index) ^ slot) ^ generation)
 
 
 @dataclass
@@ -102,6 +93,7 @@ class SyncProducer:
         seed: int,
         max_staleness: int = 0,
         max_resample_times: int | None = None,
+        rollouts: Rollouts | None = None,
     ):
         self.table = table
         self.sampler = sampler
@@ -113,6 +105,7 @@ class SyncProducer:
         self.seed = seed
         self.max_staleness = max_staleness
         self.max_resample_times = max_resample_times  # None: no dynamic sampling
+        self.rollouts = rollouts or SingleTurn()  # one completion per prompt, or turns with tools
         self.round_index = 0  # the next round the trainer will get
         self._ready: dict[int, Round] = {}
 
@@ -143,7 +136,7 @@ class SyncProducer:
         """Return once round r is generated (the synchronous producer generates on demand)."""
 
     def close(self, ok: bool = True) -> None:
-        pass
+        self.rollouts.close()
 
     def _make_round(self, r: int) -> Round:
         indices, slots = self.sampler.next_round()
@@ -158,24 +151,13 @@ class SyncProducer:
     def _generate(self, r: int, indices: list[int], slots: list[int], times: list[float]) -> tuple[list[Rollout], torch.Tensor, list]:
         """The G completions of each prompt, scored; their seeds come from (round, slot)."""
         G = self.num_generations
-        prompt_ids = [self.table.prompt_ids[i] for i in indices for _ in range(G)]
+        prompts = table_prompts(self.table, [i for i in indices for _ in range(G)])
         seeds = [completion_seed(self.seed, r, s, g) for s in slots for g in range(G)]
         t0 = time.perf_counter()
-        outs = self.engine.generate(prompt_ids, self.params, seeds, min_version=max(0, r - self.max_staleness))
+        trajectories = self.rollouts.generate(self.engine, prompts, self.params, seeds, max(0, r - self.max_staleness))
         t1 = time.perf_counter()
         stride = self.sampler.prompts_per_rank * self.sampler.world_size * (1 + (self.max_resample_times or 0))
-        rollouts = [
-            Rollout(
-                prompt_index=indices[k // G],
-                group_id=r * stride + slots[k // G],
-                prompt_ids=prompt_ids[k],
-                completion_ids=out.token_ids,
-                behav_logprobs=out.logprobs,
-                finish_reason=out.finish_reason,
-                version=out.version,
-            )
-            for k, out in enumerate(outs)
-        ]
+        rollouts = [to_rollout(t, prompts[k], indices[k // G], r * stride + slots[k // G]) for k, t in enumerate(trajectories)]
         table, completions = self.score(rollouts)
         times[0] += t1 - t0
         times[1] += time.perf_counter() - t1
@@ -220,13 +202,33 @@ class SyncProducer:
         return score_rollouts(self.table, self.tokenizer, self.reward_fns, self.params.max_tokens, rollouts)
 
 
+def table_prompts(table: PromptTable, rows: list[int]) -> list[Prompt]:
+    return [Prompt(table.prompt_ids[i], table.prompts[i], {c: v[i] for c, v in table.columns.items()}) for i in rows]
+
+
+def to_rollout(t: Trajectory, prompt: Prompt, prompt_index: int, group_id: int) -> Rollout:
+    return Rollout(
+        prompt_index=prompt_index,
+        group_id=group_id,
+        prompt_ids=t.prompt_ids or prompt.ids,
+        completion_ids=t.token_ids,
+        behav_logprobs=t.logprobs,
+        finish_reason=t.finish_reason,
+        version=t.version,
+        loss_mask=t.loss_mask,
+        turns=t.info,
+    )
+
+
 def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.NamedReward], max_tokens: int, rollouts: list[Rollout]) -> tuple[torch.Tensor, list]:
     """Every rollout's rewards (N, F) and its completion as the reward functions saw it: a
     message list for a conversational prompt, else text; the prompt's other columns as keywords."""
     texts = tokenizer.batch_decode([ro.completion_ids for ro in rollouts], skip_special_tokens=True)
-    completions = [[{"role": "assistant", "content": t}] if table.conversational[ro.prompt_index] else t for ro, t in zip(rollouts, texts)]
+    completions = [_completion(table, ro, t) for ro, t in zip(rollouts, texts)]
     rows = [ro.prompt_index for ro in rollouts]
     columns = {name: [values[i] for i in rows] for name, values in table.columns.items()}
+    if any(ro.turns for ro in rollouts):
+        columns["environment_reward"] = [ro.turns["environment_reward"] for ro in rollouts]
     scores = rewards_lib.score(
         reward_fns,
         prompts=[table.prompts[i] for i in rows],
@@ -237,6 +239,15 @@ def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.N
     )
     scores[[ro.failed for ro in rollouts]] = float("nan")  # an unfinished text earns nothing: see Rollout.failed
     return scores, completions
+
+
+def _completion(table: PromptTable, ro: Rollout, text: str):
+    """A completion as reward functions get it (TRL's convention): a multi-turn trajectory's
+    messages after the prompt (its turns, tool calls and tool results), one assistant message
+    for a chat prompt, else the text."""
+    if ro.turns:
+        return ro.turns["messages"]
+    return [{"role": "assistant", "content": text}] if table.conversational[ro.prompt_index] else text
 
 
 def _split_groups(rollouts: list[Rollout], table: torch.Tensor, completions: list, G: int) -> list[tuple]:
@@ -353,3 +364,4 @@ class AsyncProducer(SyncProducer):
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=self.join_timeout if ok else 2.0)
+        self.rollouts.close()

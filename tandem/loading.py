@@ -1,0 +1,37 @@
+"""Loading a user's object named "path/to/file.py:name" or "package.module:name" (reward
+functions, tools, environments), with errors that name the option it came from."""
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+_FILE_MODULES: dict[Path, object] = {}
+
+
+def load_object(spec: str, option: str, kind: str = "function"):
+    """The object `spec` names; `option` (e.g. "reward_funcs entry") and `kind` word the errors."""
+    if ":" not in spec:
+        raise ValueError(f"{option} {spec!r} is not of the form 'path/to/file.py:{kind}' or 'package.module:{kind}'")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise FileNotFoundError(f"{option} {spec!r}: file {path} does not exist")
+        module = _file_module(path)
+    else:
+        module = importlib.import_module(where)
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        raise ValueError(f"{option} {spec!r}: {where} has no {kind} {name!r}")
+    return obj
+
+
+def _file_module(path: Path):
+    """The module of a user's file, run once: its functions share its globals, as after an import."""
+    key = path.resolve()
+    if key not in _FILE_MODULES:
+        module_spec = importlib.util.spec_from_file_location(f"tandem_user_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        _FILE_MODULES[key] = module
+    return _FILE_MODULES[key]

@@ -1,0 +1,277 @@
+"""How prompts become trajectories: one completion each, or several turns with tools and
+environments. The producer calls one of these; the loop never knows a trajectory had turns.
+
+A multi-turn trajectory is one token sequence after its prompt, of segments:
+  model tokens     the engine's token ids exactly, with their behaviour log-probs (loss mask 1);
+  inserted tokens  tool results, observations and the chat template's glue (loss mask 0).
+The model's tokens are never decoded and re-encoded for training: its text is decoded only to
+find its tool calls. Inserted tokens are the template's rendering of the new messages after a
+fixed conversation, so they do not depend on how the template would render the model's own
+turns. Whether the template would render the whole conversation as these tokens is checked each
+turn; a template that rewrites earlier turns (Qwen3's drops <think> from turns before the last
+user message) is counted in the metric multi_turn/template_rewrites, and the trajectory keeps the
+tokens the model produced.
+"""
+
+import copy
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol
+
+from tandem.rollout.sampling import mix64
+from tandem.rollout.tools import TOOL_PARSERS, Tool, ToolCall, ToolRunner, environment_tools
+from tandem.rollout.types import Completion, SamplingParams
+
+_PLACEHOLDER = "\x00tandem reply\x00"
+
+
+@dataclass
+class Prompt:
+    ids: list[int]  # the prompt, rendered with the tools
+    messages: list | str  # as in the dataset
+    row: dict  # the dataset row's other columns
+
+
+@dataclass
+class Trajectory:
+    """What one prompt's rollout produced after the prompt."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each model token; 0.0 on inserted ones
+    loss_mask: list[int] | None  # 1 on model tokens, 0 on inserted ones; None: every token is the model's
+    finish_reason: str
+    version: int  # the oldest policy version of its turns
+    prompt_ids: list[int] | None = None  # a new prompt (an environment's first observation), else None
+    info: dict | None = None  # turns: messages, tool calls, versions, an environment's reward (JSON)
+
+
+class Rollouts(Protocol):
+    def generate(self, engine, prompts: list[Prompt], params: SamplingParams, seeds: list[int], min_version: int) -> list[Trajectory]:
+        """One trajectory per prompt, prompt i from seed seeds[i], every turn with weights of version >= min_version."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SingleTurn:
+    """One completion per prompt, as the engine returns it."""
+
+    def generate(self, engine, prompts, params, seeds, min_version):
+        outs = engine.generate([p.ids for p in prompts], params, seeds, min_version=min_version)
+        return [Trajectory(o.token_ids, o.logprobs, None, o.finish_reason, o.version) for o in outs]
+
+    def close(self) -> None:
+        pass
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """Turn 0 is sampled from the completion's own seed, so a trajectory that calls no tool is
+    the completion a single-turn run would get."""
+    return seed if turn == 0 else mix64(seed ^ turn)
+
+
+class TemplateGlue:
+    """The tokens to insert after a model turn for new messages, from the chat template."""
+
+    def __init__(self, tokenizer, template_kwargs: dict, where: str):
+        self.tokenizer, self.kwargs, self.where = tokenizer, template_kwargs, where
+        self.base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PLACEHOLDER}]
+        self.base_text = self.render(self.base, False)
+        # What the template writes after an assistant turn's text (ChatML: "<|im_end|>\n"). The
+        # model's turn ends with the start of it (its stop token); the rest is glue to insert.
+        self.close_text = self.base_text[self.base_text.rindex(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+        self.rewrites_warned = False
+
+    def render(self, messages: list, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs)
+
+    def inserted(self, turn_text: str, new_messages: list) -> list[int]:
+        """Token ids that follow a model turn whose text (special tokens kept) is `turn_text`."""
+        glue = self.close_text
+        for k in range(len(glue), 0, -1):
+            if turn_text.endswith(glue[:k]):
+                glue = glue[k:]
+                break
+        full = self.render(self.base + new_messages, True)
+        if not full.startswith(self.base_text):
+            raise ValueError(f"the chat template of {self.where} renders a conversation's earlier turns differently once "
+                             f"{[m['role'] for m in new_messages]} messages follow them; multi-turn rollouts need a template "
+                             "that appends each message's text after the earlier ones")  # fmt: skip
+        return self.tokenizer(glue + full[len(self.base_text) :], add_special_tokens=False)["input_ids"]
+
+    def rewrites(self, ids: list[int], messages: list) -> bool:
+        """Whether the template renders `messages` as something else than the tokens `ids`."""
+        same = self.render(messages, True) == self.tokenizer.decode(ids, skip_special_tokens=False)
+        if not same and not self.rewrites_warned:
+            self.rewrites_warned = True
+            print(f"tandem: warning: the chat template of {self.where} renders earlier turns of a conversation differently "
+                  "from the tokens the model produced (for example it drops <think> from earlier turns); the trajectories "
+                  "keep the model's own tokens (metric multi_turn/template_rewrites)", file=sys.stderr, flush=True)  # fmt: skip
+        return not same
+
+
+@dataclass
+class _Live:
+    """One trajectory while its turns are generated."""
+
+    prompt_ids: list[int]
+    messages: list  # the conversation so far, prompt included, as the template renders it
+    seed: int
+    tools: dict[str, Tool] = field(default_factory=dict)
+    env: object = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    finish: str | None = None  # set when it ends
+    versions: list[int] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)  # {"name", "ok", "seconds"} of every tool call
+    shown: list = field(default_factory=list)  # the messages after the prompt, as reward functions get them
+    rewrites: int = 0
+    new_prompt: bool = False
+
+
+class MultiTurn:
+    """Turns of model text and tool results (or environment observations) until the model calls
+    no tool, max_tool_calling_iterations is reached or max_completion_length is filled.
+
+    A round's trajectories advance together: each turn, every live one's next generation goes to
+    the engine in one call, and the tool calls of all of them run concurrently.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        template_kwargs: dict,
+        where: str,
+        tools: list[Tool],
+        environment_factory: Callable | None,
+        parser: str,
+        max_iterations: int,
+        max_completion_length: int,
+        tool_timeout: float,
+        max_tool_response_tokens: int | None,
+    ):
+        self.tokenizer = tokenizer
+        self.glue = TemplateGlue(tokenizer, template_kwargs, where)
+        self.tools = {t.name: t for t in tools}
+        self.environment_factory = environment_factory
+        self.parse = TOOL_PARSERS[parser]
+        self.max_iterations, self.max_length = max_iterations, max_completion_length
+        self.max_response = max_tool_response_tokens
+        self.runner = ToolRunner(tool_timeout)
+
+    def generate(self, engine, prompts, params, seeds, min_version):
+        trajs = [self._start(p, s) for p, s in zip(prompts, seeds)]
+        for turn in range(self.max_iterations + 1):
+            live = [t for t in trajs if t.finish is None]
+            if not live:
+                break
+            budget = max(self.max_length - len(t.ids) for t in live)
+            outs = engine.generate([t.prompt_ids + t.ids for t in live], replace(params, max_tokens=budget),
+                                   [turn_seed(t.seed, turn) for t in live], min_version=min_version)  # fmt: skip
+            texts = [self._model_turn(t, o) for t, o in zip(live, outs)]
+            asking = [(t, text) for t, text in zip(live, texts) if t.finish is None]
+            self._respond(asking, last=turn == self.max_iterations)
+        return [self._finish(t) for t in trajs]
+
+    def _start(self, prompt: Prompt, seed: int) -> _Live:
+        messages = copy.deepcopy(prompt.messages)
+        t = _Live(prompt.ids, messages, seed, self.tools)
+        if self.environment_factory is not None:
+            t.env = self.environment_factory()
+            t.tools = {**self.tools, **{tool.name: tool for tool in environment_tools(t.env)}}
+            observation = t.env.reset(**prompt.row) if hasattr(t.env, "reset") else None
+            if observation is not None:  # appended to the prompt's last message, as TRL does
+                messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
+                t.prompt_ids = self.tokenizer(self.glue.render(messages, True), add_special_tokens=False)["input_ids"]
+                t.new_prompt = True
+        return t
+
+    def _model_turn(self, t: _Live, out: Completion) -> str:
+        """Append the engine's tokens; returns their text (for parsing only)."""
+        room = self.max_length - len(t.ids)
+        ids, logprobs = out.token_ids[:room], out.logprobs[:room]
+        t.ids += ids
+        t.logprobs += logprobs
+        t.mask += [1] * len(ids)
+        t.versions.append(out.version)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        message = {"role": "assistant", "content": text}
+        t.messages.append(message)
+        t.shown.append(dict(message))
+        if out.finish_reason == "error":
+            t.finish = "error"
+        elif len(out.token_ids) > room or len(t.ids) >= self.max_length or out.finish_reason == "length":
+            t.finish = "length"
+        return text
+
+    def _respond(self, asking: list[tuple[_Live, str]], last: bool) -> None:
+        """Run the tools the turns call (or the environments' step), then insert the results."""
+        calls, owners = [], []
+        for t, text in asking:
+            found = self.parse(text) if t.tools else []
+            if found:
+                t.shown[-1]["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in found]
+            if last or (not found and not hasattr(t.env, "step")):
+                t.finish = "stop"
+            elif found:
+                calls += [(t.tools, c) for c in found]
+                owners += [t] * len(found)
+            else:
+                observation = t.env.step(text)
+                if observation is None:
+                    t.finish = "stop"
+                else:
+                    self._insert(t, [{"role": "user", "content": str(observation)}])
+        results = self.runner.run(calls)
+        new: dict[int, tuple[_Live, list]] = {}
+        for t, call, result in zip(owners, calls, results):
+            t.calls.append({"name": result.name, "ok": result.ok, "seconds": result.seconds})
+            new.setdefault(id(t), (t, []))[1].append({"role": "tool", "name": call[1].name, "content": self._cap(result.content)})
+        for t, messages in new.values():
+            self._insert(t, messages)
+
+    def _cap(self, content: str) -> str:
+        if self.max_response is None:
+            return content
+        ids = self.tokenizer(content, add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.max_response:
+            return content
+        return self.tokenizer.decode(ids[: self.max_response]) + " [cut at max_tool_response_tokens]"
+
+    def _insert(self, t: _Live, messages: list) -> None:
+        turn_text = self.tokenizer.decode(t.ids[len(t.ids) - _last_turn_length(t) :], skip_special_tokens=False)
+        ids = self.glue.inserted(turn_text, messages)
+        t.messages += messages
+        t.shown += messages
+        t.rewrites += self.glue.rewrites(t.prompt_ids + t.ids + ids, t.messages)
+        room = self.max_length - len(t.ids)
+        t.ids += ids[:room]
+        t.logprobs += [0.0] * len(ids[:room])
+        t.mask += [0] * len(ids[:room])
+        if len(ids) >= room:  # nothing left for the model's next turn
+            t.finish = "length"
+
+    def _finish(self, t: _Live) -> Trajectory:
+        info = {
+            "turns": len(t.versions),
+            "messages": t.shown,
+            "tool_calls": t.calls,
+            "versions": t.versions,
+            "template_rewrites": t.rewrites,
+            "environment_reward": t.env.get_reward() if hasattr(t.env, "get_reward") else None,
+        }
+        return Trajectory(t.ids, t.logprobs, t.mask, t.finish or "stop", min(t.versions), t.prompt_ids if t.new_prompt else None, info)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _last_turn_length(t: _Live) -> int:
+    """Tokens of the model's last turn: the run of mask 1 at the end."""
+    n = 0
+    for m in reversed(t.mask):
+        if not m:
+            break
+        n += 1
+    return n
