@@ -23,7 +23,7 @@ CHAT_TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\\n' }}"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n' }}{% endif %}"
     "{{ 'Tools:' }}{% for tool in tools %}{{ ' ' + tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | list | join(', ')) + ')' }}{% endfor %}"
-    "{{ '. Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' and tools and loop.first %}"
     "{% elif message['role'] == 'tool' %}"
@@ -114,32 +114,34 @@ def build_model(size: str, vocab_size: int, seed: int, eos_token_id: int, pad_to
 def warmup_sft(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
-    pairs: list[tuple[str, str]],
-    steps: int,
+    pairs: list[tuple[str, str]] | None = None,
+    steps: int = 300,
     lr: float = 3e-3,
     batch_size: int = 32,
     seed: int = 0,
+    rows: list[tuple[list[int], list[int]]] | None = None,
 ) -> list[float]:
-    """Supervised steps on (user message, assistant reply) pairs; the loss covers the reply only."""
+    """Supervised steps on (user message, assistant reply) pairs, or on encoded `rows` of
+    (token ids, labels with -100 where the loss does not look); the loss covers the replies only."""
     gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for prompt, reply in pairs:
+    rows = list(rows or [])
+    for prompt, reply in pairs or []:
         p = encode_prompt(tokenizer, [{"role": "user", "content": prompt}], None, "error")
         r = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((list(p), r))
+        rows.append((list(p) + r, [-100] * len(p) + r))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for _ in range(steps):
         batch = [rows[i] for i in torch.randint(len(rows), (batch_size,), generator=gen).tolist()]
-        width = max(len(p) + len(r) for p, r in batch)
+        width = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), width), tokenizer.pad_token_id)  # (N, T), right-padded
         labels = torch.full((len(batch), width), -100)  # (N, T)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (p, r) in enumerate(batch):
-            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
-            mask[i, : len(p) + len(r)] = 1
+        for i, (x, y) in enumerate(batch):
+            ids[i, : len(x)] = torch.tensor(x)
+            labels[i, : len(y)] = torch.tensor(y)
+            mask[i, : len(x)] = 1
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()

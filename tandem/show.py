@@ -44,7 +44,26 @@ def table(lines: list[dict], step: int | None = None, width: int | None = None) 
     out.append("  ".join(h.rjust(s) for h, s in zip(head, sizes)) + "  " + "prompt".ljust(prompt_width) + "  completion")
     for r, c in zip(rows, cells):
         out.append("  ".join(v.rjust(s) for v, s in zip(c, sizes)) + "  " + _cell(_plain(r["prompt"]), prompt_width, keep_end=True).ljust(prompt_width) + "  " + _cell(r["completion"], completion_width))
+        out += _turn_lines(r.get("turns"), width)
     return "\n".join(out)
+
+
+def _turn_lines(turns: dict | None, width: int) -> list[str]:
+    """A multi-turn completion's messages, one line each under its row: the model's turns with
+    their policy version, tool calls and results (an error result marked), observations."""
+    if not turns:
+        return []
+    lines, versions = [], iter(turns["versions"])
+    for m in turns["messages"]:
+        if m["role"] == "assistant":
+            calls = ", ".join(f"{c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in m.get("tool_calls", []))
+            text = f"model (v{next(versions, '?')})" + (f" calls {calls}" if calls else "") + f": {m['content']}"
+        elif m["role"] == "tool":
+            text = f"{m.get('name', 'tool')} {'failed' if m['content'].startswith('error: ') else 'returned'}: {m['content']}"
+        else:
+            text = f"{m['role']}: {m['content']}"
+        lines.append("    " + _cell(text, max(20, width - 4)))
+    return lines
 
 
 def _plain(prompt: str) -> str:

@@ -110,6 +110,24 @@ class TemplateGlue:
         return not same
 
 
+def encode_conversation(tokenizer, glue: TemplateGlue, messages: list) -> tuple[list[int], list[int]]:
+    """A whole conversation laid out as a trajectory holds it: (token ids, labels), the labels the
+    assistant turns' tokens (their stop token included) and -100 elsewhere. For supervised
+    warm-ups of the format multi-turn rollouts use."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    ids = tokenizer(glue.render(messages[:first], True), add_special_tokens=False)["input_ids"]
+    labels, reply, i = [-100] * len(ids), [], first
+    while i < len(messages):
+        if messages[i]["role"] == "assistant":
+            reply = tokenizer(messages[i]["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids, labels, i = ids + reply, labels + reply, i + 1
+            continue
+        j = next((k for k in range(i, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
+        inserted = glue.inserted(tokenizer.decode(reply, skip_special_tokens=False), messages[i:j])
+        ids, labels, i = ids + inserted, labels + [-100] * len(inserted), j
+    return ids, labels
+
+
 @dataclass
 class _Live:
     """One trajectory while its turns are generated."""

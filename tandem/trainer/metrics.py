@@ -190,6 +190,7 @@ def completion_records(rnd, tokenizer, reward_names: list[str], rewards, advanta
             "advantage": advantages[k].item(),
             "finish_reason": ro.finish_reason,
             "policy_version": ro.version,
+            **({"turns": ro.turns} if ro.turns else {}),  # multi-turn: its messages, tool calls and each turn's version
         }
         for k, ro in enumerate(shown)
     ]

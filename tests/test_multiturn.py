@@ -1,0 +1,302 @@
+"""Multi-turn rollouts: tools, the hermes parser, environments and the trajectories' tokens.
+
+The MultiTurn tests here drive it with a scripted engine: a fake at the engine's boundary that
+answers each turn with tokens the test chose, so each test can make the model call a tool, fail,
+think or run long. The runs through the real engine and the real CLI are in test_train_cli.py
+and test_async.py (tools in colocated, server and async runs) and the vLLM suite.
+"""
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from tandem.init_model import CHAT_TEMPLATE, build_tokenizer
+from tandem.rollout.multiturn import MultiTurn, Prompt, TemplateGlue, encode_conversation, turn_seed
+from tandem.rollout.tools import ToolCall, ToolRunner, calculator, load_tools, make_tool, parse_hermes
+from tandem.rollout.types import Completion, SamplingParams
+
+# --------------------------------------------------------------------------- the calculator
+
+
+def test_calculator_is_exact_on_numbers_too_long_for_floats():
+    assert calculator("123456789123 * 987654321987") == str(123456789123 * 987654321987)
+    assert calculator("(7 - 10) * 2 ** 3 // 5") == str((7 - 10) * 2**3 // 5)
+    assert calculator("7 / 2") == "3.5"
+    assert calculator("6 / 3") == "2"  # a float that is whole prints as an integer
+
+
+@pytest.mark.parametrize(
+    "expression",
+    ["__import__('os').system('true')", "x + 1", "(1).real", "[1, 2][0]", "'a' * 3", "lambda: 1", "9 ** 9 ** 9", "(10 ** 100) ** 5000"],
+)
+def test_calculator_runs_nothing_but_arithmetic(expression):
+    # names, calls, attributes, subscripts, strings and lambdas are refused before anything runs;
+    # so is a power whose result would take the CPU for hours (9 ** 9 ** 9 has 370 million digits)
+    with pytest.raises(ValueError):
+        calculator(expression)
+
+
+# --------------------------------------------------------------------------- parsing calls
+
+
+def test_hermes_finds_each_call_and_turns_malformed_ones_into_errors():
+    text = (
+        'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "3*3"}}</tool_call>'
+        "<tool_call>{not json}</tool_call><tool_call>[1, 2]</tool_call><tool_call>{\"name\": \"x\""
+    )
+    calls = parse_hermes(text)
+    assert [(c.name, c.arguments) for c in calls[:2]] == [("calculator", {"expression": "2+2"}), ("calculator", {"expression": "3*3"})]
+    assert [c.error is None for c in calls] == [True, True, False, False, False]
+    assert "not valid JSON" in calls[2].error and '{"name"' in calls[3].error and "not closed" in calls[4].error
+    assert parse_hermes("no call here") == []
+
+
+# --------------------------------------------------------------------------- running tools
+
+
+def test_a_tool_that_fails_in_any_way_gives_the_model_an_error_and_the_run_goes_on():
+    def boom(x: int) -> str:
+        """Raise.
+
+        Args:
+            x: ignored
+        """
+        raise RuntimeError("out of paper")
+
+    def unusable() -> object:
+        """Return something that is not text or JSON."""
+        return object()
+
+    async def slow() -> str:
+        """Sleep past the timeout."""
+        await asyncio.sleep(30)
+
+    tools = {t.name: t for t in [make_tool(f, f.__name__) for f in (boom, unusable, slow)] + load_tools(["calculator"])}
+    runner = ToolRunner(timeout=0.5)
+    calls = [ToolCall("boom", {"x": 1}), ToolCall("unusable", {}), ToolCall("slow", {}), ToolCall("calculator", {"expr": "1"}),
+             ToolCall("nope", {}), ToolCall("invalid_call", {}, "the tool call is not valid JSON"), ToolCall("calculator", {"expression": "6*7"})]  # fmt: skip
+    results = runner.run([(tools, c) for c in calls])
+    assert [r.ok for r in results] == [False] * 6 + [True]
+    contents = [r.content for r in results]
+    assert "RuntimeError: out of paper" in contents[0] and "neither text nor JSON" in contents[1]
+    assert "longer than tool_timeout (0.5s)" in contents[2] and "unexpected keyword argument 'expr'" in contents[3]
+    assert "there is no tool 'nope'" in contents[4] and results[4].name == "unknown_tool" and "not valid JSON" in contents[5]
+    assert contents[6] == "42" and all(c.startswith("error: ") for c in contents[:6])
+    runner.close()
+
+
+@pytest.mark.parametrize("kind", ["async", "plain"])
+def test_the_calls_of_many_trajectories_run_concurrently(kind):
+    # Each call waits until all four have started: run one after another, the first would wait
+    # past the timeout and fail.
+    n, started = 4, []
+    if kind == "async":
+
+        async def meet() -> str:
+            """Wait for the others."""
+            started.append(1)
+            while len(started) < n:
+                await asyncio.sleep(0.01)
+            return "met"
+
+    else:
+        barrier = threading.Barrier(n, timeout=5)
+
+        def meet() -> str:
+            """Wait for the others."""
+            barrier.wait()
+            return "met"
+
+    tools = {"meet": make_tool(meet, "meet")}
+    results = ToolRunner(timeout=5).run([(tools, ToolCall("meet", {})) for _ in range(n)])
+    assert [r.content for r in results] == ["met"] * n
+
+
+def test_a_tool_needs_type_hints_and_a_docstring_for_its_schema():
+    def bare(x):
+        return x
+
+    with pytest.raises(ValueError, match="type hint"):
+        make_tool(bare, "tools entry 'f.py:bare'")
+    assert load_tools(["calculator"])[0].schema["function"]["parameters"]["required"] == ["expression"]
+
+
+# --------------------------------------------------------------------------- trajectories
+
+TOKENIZER = build_tokenizer()
+EOS = TOKENIZER.eos_token_id
+
+
+class ScriptedEngine:
+    """The engine's boundary, faked: turn k of trajectory i is replies[i][k] as tokens (with its
+    stop token), each with a log-prob the test can recognise. Records what it was asked."""
+
+    def __init__(self, replies: list[list[str]], version: int = 3):
+        self.replies, self.version, self.calls = replies, version, []
+        self.turn = 0
+
+    def generate(self, prompts, params, seeds, min_version=0):
+        self.calls.append((prompts, params.max_tokens, seeds, min_version))
+        outs = []
+        for ids in prompts:
+            i = self._owner(ids)
+            text = self.replies[i][min(self._turns_done(i), len(self.replies[i]) - 1)]
+            tokens = TOKENIZER(text, add_special_tokens=False)["input_ids"] + [EOS]
+            finish = "stop" if len(tokens) <= params.max_tokens else "length"
+            tokens = tokens[: params.max_tokens]
+            outs.append(Completion(tokens, [-(k + 1) / 100 for k in range(len(tokens))], finish, self.version))
+        return outs
+
+    def _owner(self, ids):
+        text = TOKENIZER.decode(ids)
+        return next(i for i, r in enumerate(self.prompts) if r in text)
+
+    def _turns_done(self, i):
+        self.done[i] += 1
+        return self.done[i] - 1
+
+    def start(self, questions):
+        self.prompts, self.done = questions, [0] * len(questions)
+
+
+def _call(expression: str) -> str:
+    return f'<tool_call>{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}</tool_call>'
+
+
+def _multi_turn(template=None, environment_factory=None, max_iterations=3, max_length=400, tools=("calculator",), max_response=None):
+    tok = TOKENIZER
+    if template is not None:
+        tok = build_tokenizer()
+        tok.chat_template = template
+    schemas = [t.schema for t in load_tools(list(tools))]
+    mt = MultiTurn(tok, {"tools": schemas}, "the test's tokenizer", load_tools(list(tools)), environment_factory, "hermes",
+                   max_iterations, max_length, tool_timeout=5, max_tool_response_tokens=max_response)  # fmt: skip
+    return mt, tok, schemas
+
+
+def _prompts(tok, schemas, questions):
+    out = []
+    for q in questions:
+        messages = [{"role": "user", "content": q}]
+        ids = tok(tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        out.append(Prompt(ids, messages, {"answer": "x"}))
+    return out
+
+
+def _run(mt, tok, schemas, questions, replies, max_tokens=400, version=3):
+    engine = ScriptedEngine(replies, version)
+    engine.start(questions)
+    trajectories = mt.generate(engine, _prompts(tok, schemas, questions), SamplingParams(max_tokens=max_tokens), [11, 22][: len(questions)], 2)
+    return trajectories, engine
+
+
+def _model_tokens(t):
+    return [x for x, m in zip(t.token_ids, t.loss_mask) if m]
+
+
+def test_trained_tokens_are_the_engines_and_the_rest_is_the_templates_rendering():
+    mt, tok, schemas = _multi_turn()
+    replies = [["I will compute. " + _call("123456789*987654321"), "It is 121932631112635269."], ["No tool needed: 4."]]
+    (t0, t1), engine = _run(mt, tok, schemas, ["Q one: big product?", "Q two: 2+2?"], replies)
+    # what the engine produced, token for token, and nothing else is trained
+    expected = [tok(r, add_special_tokens=False)["input_ids"] + [EOS] for r in replies[0]]
+    assert _model_tokens(t0) == expected[0] + expected[1]
+    assert [lp for lp, m in zip(t0.logprobs, t0.loss_mask) if m] == [-(k + 1) / 100 for k in range(len(expected[0]))] + [
+        -(k + 1) / 100 for k in range(len(expected[1]))
+    ]
+    assert all(lp == 0.0 for lp, m in zip(t0.logprobs, t0.loss_mask) if not m)
+    # the whole sequence is the chat template's rendering of the conversation, tool result included
+    conversation = [{"role": "user", "content": "Q one: big product?"}, {"role": "assistant", "content": replies[0][0]},
+                    {"role": "tool", "name": "calculator", "content": "121932631112635269"}, {"role": "assistant", "content": replies[0][1]}]  # fmt: skip
+    rendered = tok.apply_chat_template(conversation, tools=schemas, tokenize=False)
+    prompt = _prompts(tok, schemas, ["Q one: big product?"])[0].ids
+    assert tok.decode(prompt + t0.token_ids) + "\n" == rendered  # the template closes the last turn with a newline
+    assert t0.info["turns"] == 2 and t0.info["template_rewrites"] == 0 and t0.finish_reason == "stop"
+    assert t0.info["tool_calls"][0]["name"] == "calculator" and t0.info["tool_calls"][0]["ok"]
+    assert [m["role"] for m in t0.info["messages"]] == ["assistant", "tool", "assistant"]
+    assert t0.info["messages"][0]["tool_calls"] == [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "123456789*987654321"}}}]
+    # a trajectory that calls no tool is the single completion, from the completion's own seed
+    assert t1.loss_mask == [1] * len(t1.token_ids) and t1.info["turns"] == 1
+    assert engine.calls[0][2] == [11, 22] and engine.calls[1][2] == [turn_seed(11, 1)] and turn_seed(11, 1) != 11
+    # every turn asks for the round's version; the second only for the trajectory still going
+    assert [c[3] for c in engine.calls] == [2, 2] and len(engine.calls[1][0]) == 1
+    assert t0.info["versions"] == [3, 3] and t0.version == 3
+
+
+# A Qwen3-style template: an assistant turn before the last user message loses its <think> block.
+REWRITING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}",
+    "{% else %}{% set ns = namespace(later_user=false) %}"
+    "{% for m in messages[loop.index0 + 1:] %}{% if m['role'] == 'user' %}{% set ns.later_user = true %}{% endif %}{% endfor %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and ns.later_user and '</think>' in content %}{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content }}",
+)
+
+
+class Guess:
+    """An environment that is not tool calls: the model guesses, step() answers."""
+
+    def reset(self, **row):
+        self.guesses = 0
+        return " (you have two guesses)"
+
+    def step(self, text: str):
+        self.guesses += 1
+        return None if self.guesses == 2 else "Wrong, again."
+
+    def get_reward(self) -> float:
+        return float(self.guesses)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_detected_and_the_models_tokens_are_kept():
+    assert REWRITING_TEMPLATE != CHAT_TEMPLATE
+    mt, tok, schemas = _multi_turn(template=REWRITING_TEMPLATE, environment_factory=Guess, tools=())
+    replies = [["<think>maybe 3</think> 3", "<think>then 4</think> 4"]]
+    (t,), _ = _run(mt, tok, [], ["Guess the number"], replies)
+    expected = [tok(r, add_special_tokens=False)["input_ids"] + [EOS] for r in replies[0]]
+    assert _model_tokens(t) == expected[0] + expected[1]  # the <think> the template would drop is still there
+    assert t.info["template_rewrites"] == 1 and t.info["turns"] == 2 and t.info["environment_reward"] == 2.0
+    assert t.prompt_ids is not None and tok.decode(t.prompt_ids).endswith("Guess the number (you have two guesses)<|im_end|>\n<|im_start|>assistant\n")
+    assert [m["role"] for m in t.info["messages"]] == ["assistant", "user", "assistant"]
+    # the same conversation under a template that keeps history: no rewrite counted
+    mt, tok, _ = _multi_turn(environment_factory=Guess, tools=())
+    (t,), _ = _run(mt, tok, [], ["Guess the number"], replies)
+    assert t.info["template_rewrites"] == 0 and _model_tokens(t) == expected[0] + expected[1]
+
+
+def test_max_completion_length_bounds_model_and_inserted_tokens_together():
+    call = _call("123456789*987654321")
+    limit = len(call) + 1 + 150  # the call and its stop token (one token a character), then 150 for the rest
+    mt, tok, schemas = _multi_turn(max_length=limit, max_response=5)
+    # the result of 18 digits is cut to 5 tokens; the second turn gets what is left of the limit and is cut there
+    (t,), engine = _run(mt, tok, schemas, ["Q"], [[call, "x" * 100]])
+    assert len(t.token_ids) == limit and t.finish_reason == "length"
+    assert t.info["messages"][1]["content"] == "12193 [cut at max_tool_response_tokens]"
+    second_turn_starts = t.loss_mask.index(1, t.loss_mask.index(0))
+    assert engine.calls[1][1] == limit - second_turn_starts and t.loss_mask[-1] == 1
+    # a limit the inserted tokens reach ends the trajectory there, without another turn
+    mt, tok, schemas = _multi_turn(max_length=len(call) + 10)
+    (t,), engine = _run(mt, tok, schemas, ["Q"], [[call, "x"]])
+    assert len(t.token_ids) == len(call) + 10 and t.finish_reason == "length" and t.loss_mask[-1] == 0 and len(engine.calls) == 1
+
+
+def test_max_tool_calling_iterations_ends_a_model_that_keeps_calling():
+    mt, tok, schemas = _multi_turn(max_iterations=2)
+    (t,), engine = _run(mt, tok, schemas, ["Q"], [[_call("1+1")]])
+    assert t.info["turns"] == 3 and len(t.info["tool_calls"]) == 2 and t.finish_reason == "stop" and len(engine.calls) == 3
+
+
+def test_a_warm_up_conversation_is_laid_out_as_a_trajectory_holds_it():
+    mt, tok, schemas = _multi_turn()
+    replies = [[_call("6*7"), "42"]]
+    (t,), _ = _run(mt, tok, schemas, ["Q"], replies)
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": replies[0][0]},
+                {"role": "tool", "name": "calculator", "content": "42"}, {"role": "assistant", "content": "42"}]  # fmt: skip
+    ids, labels = encode_conversation(tok, TemplateGlue(tok, {"tools": schemas}, "test"), messages)
+    prompt = _prompts(tok, schemas, ["Q"])[0].ids
+    assert ids == prompt + t.token_ids
+    assert [x != -100 for x in labels] == [False] * len(prompt) + [bool(m) for m in t.loss_mask]
