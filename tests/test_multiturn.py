@@ -11,8 +11,11 @@ import json
 import threading
 
 import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem.init_model import CHAT_TEMPLATE, build_tokenizer
+from conftest import cli_here, same_collectives, train
+from tandem.demo import addition_rows, write_jsonl
+from tandem.init_model import CHAT_TEMPLATE, build_tokenizer, save, warmup_sft
 from tandem.rollout.multiturn import MultiTurn, Prompt, TemplateGlue, encode_conversation, turn_seed
 from tandem.rollout.tools import ToolCall, ToolRunner, calculator, load_tools, make_tool, parse_hermes
 from tandem.rollout.types import Completion, SamplingParams
@@ -300,3 +303,99 @@ def test_a_warm_up_conversation_is_laid_out_as_a_trajectory_holds_it():
     prompt = _prompts(tok, schemas, ["Q"])[0].ids
     assert ids == prompt + t.token_ids
     assert [x != -100 for x in labels] == [False] * len(prompt) + [bool(m) for m in t.loss_mask]
+
+
+# --------------------------------------------------------------------------- real runs
+
+# An environment that is not tool calls, so any model's text makes several turns: after each
+# turn step() answers once more, twice, then ends it. Its reward is the digits the model wrote.
+ROUNDS = '''
+class Rounds:
+    def reset(self, **row):
+        self.turns, self.digits = 0, 0
+        return None
+
+    def step(self, text: str):
+        self.turns += 1
+        self.digits += sum(ch.isdigit() for ch in text)
+        return None if self.turns == 3 else "Once more."
+
+    def get_reward(self) -> float:
+        return min(self.digits, 8) / 8
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("multiturn")
+    (folder / "rounds.py").write_text(ROUNDS)
+    data = write_jsonl(addition_rows(0), folder / "data.jsonl")
+    return folder, data
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model, tmp_path_factory):
+    """The tiny model after a short warm-up on calling the calculator ("a+b=" -> a call on "a+b",
+    its result, the sum): it calls it about as often as it gets the format wrong."""
+    out = tmp_path_factory.mktemp("model") / "tools"
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    glue = TemplateGlue(tok, {"tools": [t.schema for t in load_tools(["calculator"])]}, "tiny")
+    rows = [encode_conversation(tok, glue, [
+        {"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": _call(f"{a}+{b}")},
+        {"role": "tool", "name": "calculator", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}])
+        for a in range(10) for b in range(10)]  # fmt: skip
+    warmup_sft(model, tok, rows=rows, steps=80, lr=1e-2)
+    save(model, tok, out)
+    return out
+
+
+def _args(model, data, out, batch, *extra):
+    return ["--model_name_or_path", model, "--dataset_name", data, "--output_dir", out, "--num_generations", "4",
+            "--per_device_train_batch_size", batch, "--max_completion_length", "192", "--learning_rate", "1e-2",
+            "--disable_tqdm", "true", "--num_completions_to_log", "64", *extra]  # fmt: skip
+
+
+def _read(out):
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return metrics, [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+
+
+def test_a_colocated_run_calls_the_tool_and_shows_each_turn(tool_model, files, tmp_path):
+    _, data = files
+    out = tmp_path / "run"
+    train(1, _args(tool_model, data, out, 16, "--max_steps", "2", "--reward_funcs", "exact_match", "--tools", "calculator",
+                   "--max_tool_calling_iterations", "1"))  # fmt: skip
+    metrics, completions = _read(out)
+    assert all(m["tools/calculator/call_frequency"] > 0.2 for m in metrics), [m["tools/calculator/call_frequency"] for m in metrics]
+    assert all(m["multi_turn/turns/max"] == 2 for m in metrics)
+    for m in metrics:  # every completion is logged: the metrics count what they show
+        results = [t for c in completions if c["step"] == m["step"] for t in c["turns"]["messages"] if t.get("name") == "calculator"]
+        assert m["tools/calculator/call_frequency"] == len(results) / 16
+        assert m["tools/calculator/failure_frequency"] == sum(r["content"].startswith("error: ") for r in results) / len(results)
+    called = [c for c in completions if c["step"] == 2 and any(t["name"] == "calculator" for t in c["turns"]["tool_calls"])]
+    assert called and all(c["turns"]["messages"][1]["role"] == "tool" for c in called)
+    result = called[0]["turns"]["messages"][1]["content"]
+    assert f"<tool_response>\n{result}\n</tool_response>" in called[0]["completion"]  # inserted as the template renders it
+    shown = cli_here("show", out, "--width", "200").stdout
+    assert "model (v1) calls calculator(" in shown and f"calculator returned: {result}" in shown
+
+
+def test_two_processes_train_an_async_multi_turn_run_exactly_like_one(tool_model, files, server, tmp_path):
+    # Every turn of round r is generated at version max(0, r - 1), and two processes with half
+    # the batch train as one: the same trajectories, rewards and losses.
+    folder, data = files
+    extra = ["--max_steps", "4", "--reward_funcs", "environment", "--environment_factory", f"{folder / 'rounds.py'}:Rounds",
+             "--rollout_mode", "server", "--rollout_server_urls", server.url, "--off_policy_correction", "none",
+             "--async_generate", "true", "--max_staleness", "1"]  # fmt: skip
+    train(1, _args(tool_model, data, tmp_path / "one", 16, *extra))  # its turns end (the random model's seldom do)
+    train(2, _args(tool_model, data, tmp_path / "two", 8, *extra), trace=tmp_path / "trace")
+    assert same_collectives(tmp_path / "trace").count("sum turn counts") == 4
+    (one, one_c), (two, two_c) = _read(tmp_path / "one"), _read(tmp_path / "two")
+    for c in one_c + two_c:  # three turns, unless max_completion_length ends it first
+        turns = c["turns"]["versions"]
+        assert turns == [max(0, c["round"] - 1)] * len(turns) and (len(turns) == 3 or c["finish_reason"] == "length"), (c["round"], turns)
+    assert all(m["multi_turn/turns/max"] == 3 for m in one + two)
+    assert [m["reward"] for m in one] == [m["reward"] for m in two] and len({m["reward"] for m in one}) > 1
+    assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
+    # rank 0's trajectories are the first half of each round's in both
+    assert [c["completion"] for c in one_c if c["round"] == 1][:8] == [c["completion"] for c in two_c if c["round"] == 1][:8]
