@@ -395,6 +395,9 @@ def test_two_processes_train_an_async_multi_turn_run_exactly_like_one(tool_model
         turns = c["turns"]["versions"]
         assert turns == [max(0, c["round"] - 1)] * len(turns) and (len(turns) == 3 or c["finish_reason"] == "length"), (c["round"], turns)
     assert all(m["multi_turn/turns/max"] == 3 for m in one + two)
+    # Round 0 is trained at the version that generated it: the trainer's log-probs of the model's
+    # tokens, recomputed around the inserted ones, are the server's to the last bits.
+    assert one[0]["kl_behav_proximal"] < 1e-9 and two[0]["kl_behav_proximal"] < 1e-9
     assert [m["reward"] for m in one] == [m["reward"] for m in two] and len({m["reward"] for m in one}) > 1
     assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
     # rank 0's trajectories are the first half of each round's in both

@@ -13,8 +13,10 @@ import requests
 
 from conftest import KEY, VLLM_SERVER, Server, cli_here, kill_server_mid_run, needs_vllm, wait_for_step
 from tandem.cli import DEMO_CONFIG
-from tandem.demo import addition_rows, prepare, write_jsonl
+from tandem.demo import addition_rows, prepare, warmup_pairs, write_jsonl
+from tandem.init_model import save, warmup_sft
 from test_async import DIGITS, ENV, base_args, command, read, train, weight_gap
+from test_multiturn import ROUNDS
 
 pytestmark = needs_vllm
 
@@ -66,6 +68,29 @@ def test_async_generation_is_version_exact(model64, data, server, tmp_path):
     assert any(v == r - 1 for r, v in pairs), "with max_staleness 1 the next round overlaps the current one"
     # The trainer recomputes vLLM's behaviour log-probs exactly (fp32 both): measured ~1e-13.
     assert max(m["kl_behav_proximal"] for m in metrics[:1]) < 1e-8
+
+
+def test_an_async_multi_turn_run_is_version_exact_and_trains_the_engines_tokens(model64, data, server, tmp_path):
+    # model64 after a few steps of the demo's warm-up, so that its turns end (the random model's
+    # seldom do); the Rounds environment answers each turn twice, then ends the trajectory. Each
+    # turn is a request to vLLM with the round's min_version.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model64), AutoTokenizer.from_pretrained(model64)
+    warmup_sft(model, tok, warmup_pairs(0), steps=40)
+    save(model, tok, tmp_path / "model")
+    (tmp_path / "rounds.py").write_text(ROUNDS)
+    args = base_args(tmp_path / "model", data, tmp_path / "run", 16, "--max_steps", "4", *served(server, "--async_generate", "true"),
+                     "--max_staleness", "1", "--reward_funcs", "environment", "--environment_factory", f"{tmp_path / 'rounds.py'}:Rounds",
+                     "--max_completion_length", "64")  # fmt: skip
+    train(1, args)
+    metrics, completions = read(tmp_path / "run")
+    for c in completions:  # three turns, unless max_completion_length ends it first
+        turns = c["turns"]["versions"]
+        assert turns == [max(0, c["round"] - 1)] * len(turns) and (len(turns) == 3 or c["finish_reason"] == "length"), (c["round"], turns)
+    assert max(m["multi_turn/turns/mean"] for m in metrics) > 2
+    # vLLM's tokens and log-probs are what the trainer recomputes, around the inserted tokens
+    assert metrics[0]["kl_behav_proximal"] < 1e-8
 
 
 def test_the_demo_task_reward_rises_with_a_vllm_server(tmp_path):
