@@ -82,13 +82,13 @@ def test_an_async_multi_turn_run_is_version_exact_and_trains_the_engines_tokens(
     (tmp_path / "rounds.py").write_text(ROUNDS)
     args = base_args(tmp_path / "model", data, tmp_path / "run", 16, "--max_steps", "4", *served(server, "--async_generate", "true"),
                      "--max_staleness", "1", "--reward_funcs", "environment", "--environment_factory", f"{tmp_path / 'rounds.py'}:Rounds",
-                     "--max_completion_length", "64")  # fmt: skip
+                     "--max_completion_length", "160", "--learning_rate", "1e-3")  # fmt: skip
     train(1, args)
     metrics, completions = read(tmp_path / "run")
     for c in completions:  # three turns, unless max_completion_length ends it first
         turns = c["turns"]["versions"]
         assert turns == [max(0, c["round"] - 1)] * len(turns) and (len(turns) == 3 or c["finish_reason"] == "length"), (c["round"], turns)
-    assert max(m["multi_turn/turns/mean"] for m in metrics) > 2
+    assert min(m["multi_turn/turns/mean"] for m in metrics) > 2
     # vLLM's tokens and log-probs are what the trainer recomputes, around the inserted tokens
     assert metrics[0]["kl_behav_proximal"] < 1e-8
 
