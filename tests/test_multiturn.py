@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import cli_here, same_collectives, train
 from tandem.demo import addition_rows, write_jsonl
 from tandem.init_model import CHAT_TEMPLATE, build_tokenizer, save, warmup_sft
-from tandem.rollout.multiturn import MultiTurn, Prompt, TemplateGlue, encode_conversation, turn_seed
+from tandem.rollout.multiturn import MultiTurn, Prompt, RolloutFunction, TemplateGlue, encode_conversation, turn_seed
 from tandem.rollout.tools import ToolCall, ToolRunner, calculator, load_tools, make_tool, parse_hermes
 from tandem.rollout.types import Completion, SamplingParams
 
@@ -303,6 +303,37 @@ def test_a_warm_up_conversation_is_laid_out_as_a_trajectory_holds_it():
     prompt = _prompts(tok, schemas, ["Q"])[0].ids
     assert ids == prompt + t.token_ids
     assert [x != -100 for x in labels] == [False] * len(prompt) + [bool(m) for m in t.loss_mask]
+
+
+def _agent(cheat: bool):
+    async def agent(prompt, generate):
+        """Two turns with a note of its own between them, as a user's agent might."""
+        first = await generate(prompt["prompt_ids"])
+        note = TOKENIZER("\nnote\n", add_special_tokens=False)["input_ids"]
+        second = await generate(prompt["prompt_ids"] + first["token_ids"] + note, max_tokens=5)
+        ids = first["token_ids"] + note + second["token_ids"]
+        return {"completion_ids": ids, "loss_mask": [1] * len(first["token_ids"]) + [int(cheat)] * len(note) + [1] * len(second["token_ids"])}
+
+    return agent
+
+
+def test_a_rollout_function_trains_only_the_tokens_its_generate_calls_returned():
+    questions = ["Q one", "Q two"]
+    prompts = _prompts(TOKENIZER, [], questions)
+    engine = ScriptedEngine([["first answer", "second answer"], ["other", "more words"]])
+    engine.start(questions)
+    rf = RolloutFunction(_agent(cheat=False), "agent.py:agent", 400)
+    t0, t1 = rf.generate(engine, prompts, SamplingParams(max_tokens=100), [11, 22], 1)
+    # each turn of both trajectories went to the engine as one call, with the round's version
+    assert [len(c[0]) for c in engine.calls] == [2, 2] and [c[3] for c in engine.calls] == [1, 1] and engine.calls[1][1] == 5
+    first = TOKENIZER("first answer", add_special_tokens=False)["input_ids"] + [EOS]
+    second = TOKENIZER("secon", add_special_tokens=False)["input_ids"]  # cut at its max_tokens
+    assert _model_tokens(t0) == first + second and t0.finish_reason == "length"
+    assert t0.logprobs == [-(k + 1) / 100 for k in range(len(first))] + [0.0] * 6 + [-(k + 1) / 100 for k in range(5)]
+    assert t0.info["turns"] == 2 and t0.info["versions"] == [3, 3]
+    engine.start(questions)
+    with pytest.raises(ValueError, match="agent.py:agent: the tokens it marks as the model's"):
+        RolloutFunction(_agent(cheat=True), "agent.py:agent", 400).generate(engine, prompts, SamplingParams(max_tokens=100), [11, 22], 1)
 
 
 # --------------------------------------------------------------------------- real runs

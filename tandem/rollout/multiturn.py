@@ -13,6 +13,7 @@ user message) is counted in the metric multi_turn/template_rewrites, and the tra
 tokens the model produced.
 """
 
+import asyncio
 import copy
 import sys
 from dataclasses import dataclass, field, replace
@@ -293,3 +294,104 @@ def _last_turn_length(t: _Live) -> int:
             break
         n += 1
     return n
+
+
+class RolloutFunction:
+    """A user's own agent, `rollout_func: file.py:fn`: `async def fn(prompt, generate) -> dict`.
+
+    `prompt` is {"prompt": the dataset's prompt, "prompt_ids": its tokens, **the row's other
+    columns}; `await generate(token_ids, max_tokens=None)` returns the engine's completion of
+    those tokens as {"token_ids", "logprobs", "version", "finish_reason"}. The function returns
+    {"completion_ids": every token after the prompt, "loss_mask": 1 on the model's tokens},
+    optionally with "messages" (what reward functions get as the completion).
+
+    The model's tokens (loss mask 1), in order, must be exactly the tokens its generate calls
+    returned, in order: a trajectory whose trained tokens the engine did not produce is refused,
+    naming the function. Their log-probs and versions come from those calls, never from the
+    function. The generate calls of all of a round's trajectories that are waiting go to the
+    engine as one batch.
+    """
+
+    def __init__(self, fn: Callable, name: str, max_completion_length: int):
+        self.fn, self.name, self.max_length = fn, name, max_completion_length
+
+    def generate(self, engine, prompts, params, seeds, min_version):
+        return asyncio.run(self._all(engine, prompts, params, seeds, min_version))
+
+    async def _all(self, engine, prompts, params, seeds, min_version):
+        batcher = _Batcher(engine, params, min_version, len(prompts))
+        return list(await asyncio.gather(*(self._one(batcher, p, s) for p, s in zip(prompts, seeds))))
+
+    async def _one(self, batcher: "_Batcher", prompt: Prompt, seed: int) -> Trajectory:
+        outs: list[Completion] = []
+
+        async def generate(token_ids: list[int], max_tokens: int | None = None) -> dict:
+            out = await batcher.request(list(token_ids), max_tokens, turn_seed(seed, len(outs)))
+            outs.append(out)
+            return {"token_ids": list(out.token_ids), "logprobs": list(out.logprobs), "version": out.version, "finish_reason": out.finish_reason}
+
+        try:
+            result = await self.fn({"prompt": prompt.messages, "prompt_ids": list(prompt.ids), **prompt.row}, generate)
+        except Exception as exc:
+            raise RuntimeError(f"rollout_func {self.name} raised {type(exc).__name__}: {exc}") from exc
+        finally:
+            batcher.finished()
+        return self._trajectory(result, outs)
+
+    def _trajectory(self, result, outs: list[Completion]) -> Trajectory:
+        if not isinstance(result, dict) or not {"completion_ids", "loss_mask"} <= result.keys():
+            raise ValueError(f"rollout_func {self.name} returned {type(result).__name__}; return a dict with completion_ids and loss_mask")
+        ids, mask = list(result["completion_ids"]), [int(m) for m in result["loss_mask"]]
+        if len(ids) != len(mask) or set(mask) - {0, 1}:
+            raise ValueError(f"rollout_func {self.name}: loss_mask must be 0 or 1 for each of the {len(ids)} completion_ids, got {len(mask)} values")
+        produced = [t for o in outs for t in o.token_ids]
+        if [t for t, m in zip(ids, mask) if m] != produced:
+            raise ValueError(f"rollout_func {self.name}: the tokens it marks as the model's (loss_mask 1) are not, in order, the "
+                             f"{len(produced)} tokens its generate calls returned; never train on tokens the engine did not produce")  # fmt: skip
+        if not outs:
+            raise ValueError(f"rollout_func {self.name} returned a trajectory without calling generate")
+        logprobs = iter(lp for o in outs for lp in o.logprobs)
+        finish = "error" if any(o.finish_reason == "error" for o in outs) else outs[-1].finish_reason
+        if len(ids) >= self.max_length:
+            ids, mask, finish = ids[: self.max_length], mask[: self.max_length], "length"
+        info = {"turns": len(outs), "messages": result.get("messages") or [], "tool_calls": [], "versions": [o.version for o in outs],
+                "template_rewrites": 0, "environment_reward": None}  # fmt: skip
+        return Trajectory(ids, [next(logprobs) if m else 0.0 for m in mask], mask, finish, min(o.version for o in outs), None, info)
+
+    def close(self) -> None:
+        pass
+
+
+class _Batcher:
+    """Gathers the generate calls of a round's trajectories: once every trajectory still running
+    waits on one, they go to the engine as one call."""
+
+    def __init__(self, engine, params: SamplingParams, min_version: int, running: int):
+        self.engine, self.params, self.min_version, self.running = engine, params, min_version, running
+        self.waiting: list[tuple[list[int], int | None, int, asyncio.Future]] = []
+
+    async def request(self, ids: list[int], max_tokens: int | None, seed: int) -> Completion:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((ids, max_tokens, seed, future))
+        self._maybe_flush()
+        return await future
+
+    def finished(self) -> None:
+        self.running -= 1
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if not self.waiting or len(self.waiting) < self.running:
+            return
+        batch, self.waiting = self.waiting, []
+        budget = max(m or self.params.max_tokens for _, m, _, _ in batch)
+        try:
+            outs = self.engine.generate([b[0] for b in batch], replace(self.params, max_tokens=budget), [b[2] for b in batch], min_version=self.min_version)
+        except Exception as exc:  # every waiting trajectory fails with the engine's error
+            for *_, future in batch:
+                future.set_exception(exc)
+            return
+        for (_, max_tokens, _, future), out in zip(batch, outs):
+            limit = max_tokens or self.params.max_tokens
+            cut = len(out.token_ids) > limit
+            future.set_result(replace(out, token_ids=out.token_ids[:limit], logprobs=out.logprobs[:limit], finish_reason="length" if cut else out.finish_reason))

@@ -17,6 +17,7 @@ loads, the weights draw from the seeded RNG in the same order in every run, and 
 state is set last, after everything that draws at setup.
 """
 
+import inspect
 import json
 import math
 import os
@@ -38,7 +39,7 @@ from tandem.algo import Objective
 from tandem.data import GroupSampler
 from tandem.loading import load_object
 from tandem.rollout.engine import TransformersEngine, eos_token_ids
-from tandem.rollout.multiturn import MultiTurn, Rollouts, SingleTurn
+from tandem.rollout.multiturn import MultiTurn, RolloutFunction, Rollouts, SingleTurn
 from tandem.rollout.tools import INVALID_CALL, UNKNOWN_TOOL, environment_tools, load_tools
 from tandem.trainer import checkpoint, lora, metrics, sharding
 from tandem.trainer.batch import PrefixSharingLM
@@ -319,6 +320,14 @@ def _turns(config: TrainConfig, tokenizer) -> tuple[Rollouts, dict, list[str] | 
     template_kwargs = dict(config.chat_template_kwargs or {})
     if not config.multi_turn():
         return SingleTurn(), template_kwargs, None
+    if config.rollout_func:
+        try:
+            fn = load_object(config.rollout_func, "rollout_func")
+        except (ValueError, OSError, ImportError) as exc:
+            raise ConfigError(str(exc)) from exc
+        if not inspect.iscoroutinefunction(fn):
+            raise ConfigError(f"rollout_func {config.rollout_func!r} must be an async def: it awaits generate(token_ids)")
+        return RolloutFunction(fn, config.rollout_func, config.max_completion_length), template_kwargs, []
     try:
         tools = load_tools(config.tools)
         factory = load_object(config.environment_factory, "environment_factory", "class") if config.environment_factory else None

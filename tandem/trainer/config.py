@@ -95,6 +95,7 @@ class TrainConfig:
     # --- tools and multi-turn ---
     tools: list[str] = opt([], "Tools the model may call: built-in names (calculator), 'path/file.py:fn' or 'package.module:fn' (plain or async def, with type hints and a docstring). Their JSON schemas go to the chat template; calls in the model's text are run and their results appended as tool messages, turn after turn. Needs chat prompts.", "tools and multi-turn")
     environment_factory: str | None = opt(None, "'path/file.py:Class' or 'module:Class': one instance per trajectory; reset(**row) may return text appended to the prompt, its public methods are tools, an optional step(text) gives the next observation (a user message; None ends the trajectory), an optional get_reward() is the reward function 'environment'.", "tools and multi-turn")
+    rollout_func: str | None = opt(None, "'path/file.py:fn' or 'module:fn', an async def fn(prompt, generate) -> {completion_ids, loss_mask[, messages]}: a user's own agent, which awaits generate(token_ids) for the engine's tokens; its loss_mask 1 tokens must be exactly those (see docs/multi-turn.md).", "tools and multi-turn")
     max_tool_calling_iterations: int | None = opt(None, "Most turns that call tools per trajectory; none: until a turn calls none or max_completion_length is filled (TRL's).", "tools and multi-turn")
     tool_parser: str = opt("hermes", "How tool calls are found in the model's text: 'hermes', <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Qwen3).", "tools and multi-turn")
     tool_timeout: float = opt(30.0, "Seconds one tool call may take; a call past it gives the model an error message as its result.", "tools and multi-turn")
@@ -242,7 +243,7 @@ class TrainConfig:
         return calls * (generate + len(self.reward_funcs) * self.reward_timeout) + 60.0
 
     def multi_turn(self) -> bool:
-        return bool(self.tools) or self.environment_factory is not None
+        return bool(self.tools) or self.environment_factory is not None or self.rollout_func is not None
 
     def tool_turns(self) -> int:
         """Most turns after the first: max_tool_calling_iterations, or as many as max_completion_length allows."""
@@ -272,6 +273,8 @@ class TrainConfig:
         need(self.tool_timeout > 0, "tool_timeout", "must be > 0 seconds")
         need(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0, "max_tool_calling_iterations", "must be >= 0, or none")
         need(self.max_tool_response_tokens is None or self.max_tool_response_tokens >= 1, "max_tool_response_tokens", "must be >= 1, or none")
+        need(self.rollout_func is None or not (self.tools or self.environment_factory), "rollout_func",
+             "runs the whole trajectory itself: give it without tools and environment_factory (it may call tools of its own)")  # fmt: skip
         need(not (self.multi_turn() and self.fsdp and self.rollout_mode == "colocate"), "fsdp",
              "multi-turn rollouts (tools, environment_factory) with a sharded colocated engine are not built: use rollout_mode server, or DDP")  # fmt: skip
         need("environment" not in self.reward_funcs or self.environment_factory is not None, "reward_funcs",

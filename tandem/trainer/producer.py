@@ -245,7 +245,7 @@ def _completion(table: PromptTable, ro: Rollout, text: str):
     """A completion as reward functions get it (TRL's convention): a multi-turn trajectory's
     messages after the prompt (its turns, tool calls and tool results), one assistant message
     for a chat prompt, else the text."""
-    if ro.turns:
+    if ro.turns and ro.turns["messages"]:
         return ro.turns["messages"]
     return [{"role": "assistant", "content": text}] if table.conversational[ro.prompt_index] else text
 
