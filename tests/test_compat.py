@@ -83,6 +83,7 @@ learning_rate: 1.0e-5
 per_device_train_batch_size: 8
 gradient_accumulation_steps: 2
 max_steps: 100
+max_tool_calling_iterations: 3
 warmup_steps: 10
 logging_steps: 5
 save_strategy: steps
@@ -112,7 +113,7 @@ def test_a_trl_config_runs_as_it_is_with_what_was_mapped_listed(tmp_path):
     assert cfg.rollout_mode == "server" and cfg.rollout_server_urls == ["http://10.0.0.3:8001"]
     assert (cfg.learning_rate, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.loss_type) == (1e-5, 8, 2, "grpo")
     assert cfg.warmup_ratio == pytest.approx(0.1) and cfg.off_policy_correction == "token_truncate"
-    assert cfg.eval_num_generations == 2 and cfg.scale_rewards == "none"
+    assert cfg.eval_num_generations == 2 and cfg.scale_rewards == "none" and cfg.max_tool_calling_iterations == 3
     notes = "\n".join(cfg.notes)
     assert "warmup_steps: warmup_steps 10: warmup_ratio 0.1 of max_steps 100" in notes
     assert "logging_steps: tandem logs every step to metrics.jsonl" in notes
@@ -133,7 +134,6 @@ def test_a_trl_config_runs_as_it_is_with_what_was_mapped_listed(tmp_path):
         ("vllm_gpu_memory_utilization: 0.9", "give it to the rollout server (`tandem rollout --engine vllm --gpu-memory-utilization`)"),
         ("generation_kwargs: {top_p: 0.9, stop: ['x']}", "['stop'] have no tandem equivalent"),
         ("multi_objective_aggregation: normalize_then_sum", "normalize_then_sum (GDPO) is not built"),
-        ("max_tool_calling_iterations: 3", "tools and multi-turn rollouts are not built in tandem yet"),
         ("push_to_hub: true", "tandem does not upload to the hub"),
         ("vllm_server_base_url: http://a:1\nrollout_server_urls: [http://b:2]", "rollout_server_urls is given twice"),
     ],

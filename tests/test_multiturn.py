@@ -306,10 +306,10 @@ def test_a_warm_up_conversation_is_laid_out_as_a_trajectory_holds_it():
 
 
 def _agent(cheat: bool):
-    async def agent(prompt, generate):
+    async def agent(prompt, generate, tokenizer):
         """Two turns with a note of its own between them, as a user's agent might."""
         first = await generate(prompt["prompt_ids"])
-        note = TOKENIZER("\nnote\n", add_special_tokens=False)["input_ids"]
+        note = tokenizer("\nnote\n", add_special_tokens=False)["input_ids"]
         second = await generate(prompt["prompt_ids"] + first["token_ids"] + note, max_tokens=5)
         ids = first["token_ids"] + note + second["token_ids"]
         return {"completion_ids": ids, "loss_mask": [1] * len(first["token_ids"]) + [int(cheat)] * len(note) + [1] * len(second["token_ids"])}
@@ -322,7 +322,7 @@ def test_a_rollout_function_trains_only_the_tokens_its_generate_calls_returned()
     prompts = _prompts(TOKENIZER, [], questions)
     engine = ScriptedEngine([["first answer", "second answer"], ["other", "more words"]])
     engine.start(questions)
-    rf = RolloutFunction(_agent(cheat=False), "agent.py:agent", 400)
+    rf = RolloutFunction(_agent(cheat=False), "agent.py:agent", TOKENIZER, 400)
     t0, t1 = rf.generate(engine, prompts, SamplingParams(max_tokens=100), [11, 22], 1)
     # each turn of both trajectories went to the engine as one call, with the round's version
     assert [len(c[0]) for c in engine.calls] == [2, 2] and [c[3] for c in engine.calls] == [1, 1] and engine.calls[1][1] == 5
@@ -333,7 +333,7 @@ def test_a_rollout_function_trains_only_the_tokens_its_generate_calls_returned()
     assert t0.info["turns"] == 2 and t0.info["versions"] == [3, 3]
     engine.start(questions)
     with pytest.raises(ValueError, match="agent.py:agent: the tokens it marks as the model's"):
-        RolloutFunction(_agent(cheat=True), "agent.py:agent", 400).generate(engine, prompts, SamplingParams(max_tokens=100), [11, 22], 1)
+        RolloutFunction(_agent(cheat=True), "agent.py:agent", TOKENIZER, 400).generate(engine, prompts, SamplingParams(max_tokens=100), [11, 22], 1)
 
 
 # --------------------------------------------------------------------------- real runs

@@ -297,10 +297,10 @@ def _last_turn_length(t: _Live) -> int:
 
 
 class RolloutFunction:
-    """A user's own agent, `rollout_func: file.py:fn`: `async def fn(prompt, generate) -> dict`.
+    """A user's own agent, `rollout_func: file.py:fn`: `async def fn(prompt, generate, tokenizer) -> dict`.
 
     `prompt` is {"prompt": the dataset's prompt, "prompt_ids": its tokens, **the row's other
-    columns}; `await generate(token_ids, max_tokens=None)` returns the engine's completion of
+    columns}; `tokenizer` the run's; `await generate(token_ids, max_tokens=None)` returns the engine's completion of
     those tokens as {"token_ids", "logprobs", "version", "finish_reason"}. The function returns
     {"completion_ids": every token after the prompt, "loss_mask": 1 on the model's tokens},
     optionally with "messages" (what reward functions get as the completion).
@@ -312,8 +312,8 @@ class RolloutFunction:
     engine as one batch.
     """
 
-    def __init__(self, fn: Callable, name: str, max_completion_length: int):
-        self.fn, self.name, self.max_length = fn, name, max_completion_length
+    def __init__(self, fn: Callable, name: str, tokenizer, max_completion_length: int):
+        self.fn, self.name, self.tokenizer, self.max_length = fn, name, tokenizer, max_completion_length
 
     def generate(self, engine, prompts, params, seeds, min_version):
         return asyncio.run(self._all(engine, prompts, params, seeds, min_version))
@@ -331,7 +331,7 @@ class RolloutFunction:
             return {"token_ids": list(out.token_ids), "logprobs": list(out.logprobs), "version": out.version, "finish_reason": out.finish_reason}
 
         try:
-            result = await self.fn({"prompt": prompt.messages, "prompt_ids": list(prompt.ids), **prompt.row}, generate)
+            result = await self.fn({"prompt": prompt.messages, "prompt_ids": list(prompt.ids), **prompt.row}, generate, self.tokenizer)
         except Exception as exc:
             raise RuntimeError(f"rollout_func {self.name} raised {type(exc).__name__}: {exc}") from exc
         finally:

@@ -326,8 +326,8 @@ def _turns(config: TrainConfig, tokenizer) -> tuple[Rollouts, dict, list[str] | 
         except (ValueError, OSError, ImportError) as exc:
             raise ConfigError(str(exc)) from exc
         if not inspect.iscoroutinefunction(fn):
-            raise ConfigError(f"rollout_func {config.rollout_func!r} must be an async def: it awaits generate(token_ids)")
-        return RolloutFunction(fn, config.rollout_func, config.max_completion_length), template_kwargs, []
+            raise ConfigError(f"rollout_func {config.rollout_func!r} must be an async def fn(prompt, generate, tokenizer): it awaits generate(token_ids)")
+        return RolloutFunction(fn, config.rollout_func, tokenizer, config.max_completion_length), template_kwargs, []
     try:
         tools = load_tools(config.tools)
         factory = load_object(config.environment_factory, "environment_factory", "class") if config.environment_factory else None

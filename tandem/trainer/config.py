@@ -95,7 +95,7 @@ class TrainConfig:
     # --- tools and multi-turn ---
     tools: list[str] = opt([], "Tools the model may call: built-in names (calculator), 'path/file.py:fn' or 'package.module:fn' (plain or async def, with type hints and a docstring). Their JSON schemas go to the chat template; calls in the model's text are run and their results appended as tool messages, turn after turn. Needs chat prompts.", "tools and multi-turn")
     environment_factory: str | None = opt(None, "'path/file.py:Class' or 'module:Class': one instance per trajectory; reset(**row) may return text appended to the prompt, its public methods are tools, an optional step(text) gives the next observation (a user message; None ends the trajectory), an optional get_reward() is the reward function 'environment'.", "tools and multi-turn")
-    rollout_func: str | None = opt(None, "'path/file.py:fn' or 'module:fn', an async def fn(prompt, generate) -> {completion_ids, loss_mask[, messages]}: a user's own agent, which awaits generate(token_ids) for the engine's tokens; its loss_mask 1 tokens must be exactly those (see docs/multi-turn.md).", "tools and multi-turn")
+    rollout_func: str | None = opt(None, "'path/file.py:fn' or 'module:fn', an async def fn(prompt, generate, tokenizer) -> {completion_ids, loss_mask[, messages]}: a user's own agent, which awaits generate(token_ids) for the engine's tokens; its loss_mask 1 tokens must be exactly those (see docs/multi-turn.md).", "tools and multi-turn")
     max_tool_calling_iterations: int | None = opt(None, "Most turns that call tools per trajectory; none: until a turn calls none or max_completion_length is filled (TRL's).", "tools and multi-turn")
     tool_parser: str = opt("hermes", "How tool calls are found in the model's text: 'hermes', <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Qwen3).", "tools and multi-turn")
     tool_timeout: float = opt(30.0, "Seconds one tool call may take; a call past it gives the model an error message as its result.", "tools and multi-turn")
@@ -439,6 +439,8 @@ class TrainConfig:
             **{f"entropy_{k}": (not self.use_adaptive_entropy, "use_adaptive_entropy true") for k in ("coef_min", "coef_max", "coef_delta", "target")},
             **{f"ref_model_{k}": (not self.sync_ref_model, "sync_ref_model true") for k in ("mixup_alpha", "sync_steps")},
             "cast_lm_head_to_fp32": (not self.bf16, "bf16 true (in fp32 the head computes in fp32 already)"),
+            **{k: (not (self.tools or self.environment_factory), "tools or environment_factory")
+               for k in ("max_tool_calling_iterations", "tool_parser", "tool_timeout", "max_tool_response_tokens")},
         }
         out = [f"{name}={getattr(self, name)!r} has no effect without {needs}" for name, (unused, needs) in idle.items()
                if unused and getattr(self, name) != getattr(defaults, name)]  # fmt: skip
