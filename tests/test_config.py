@@ -58,6 +58,13 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--fsdp_config", '{"version": 2}'], "fsdp_config"),
         (["--fsdp", "full_shard", "--use_peft", "true"], "fsdp"),
         (["--fsdp", "full_shard", "--dynamic_sample", "true"], "fsdp"),
+        (["--tools", "calculator", "--tool_parser", "xml"], "tool_parser"),
+        (["--tools", "calculator", "--tool_timeout", "0"], "tool_timeout"),
+        (["--tools", "calculator", "--max_tool_calling_iterations", "-1"], "max_tool_calling_iterations"),
+        (["--tools", "calculator", "--max_tool_response_tokens", "0"], "max_tool_response_tokens"),
+        (["--tools", "calculator", "--fsdp", "full_shard"], "fsdp"),
+        (["--reward_funcs", "environment"], "reward_funcs"),
+        (["--rollout_func", "agent.py:run", "--tools", "calculator"], "rollout_func"),
         # Values that trained nothing or never ended, and ones that failed only once the model had loaded.
         (["--learning_rate", "inf"], "learning_rate"),
         (["--max_grad_norm", "inf"], "max_grad_norm"),

@@ -391,6 +391,25 @@ def _read(out):
     return metrics, [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tools", "nowhere.py:fn"], "tools entry 'nowhere.py:fn': file nowhere.py does not exist"),
+        (["--tools", "calculator", "--dataset_name", "PLAIN"], "tools and environment_factory need chat prompts"),
+        (["--rollout_func", "AGENTS:plain"], "must be an async def fn(prompt, generate, tokenizer)"),
+        (["--environment_factory", "AGENTS:Untyped"], "environment method 'act': no JSON schema can be made of it"),
+    ],
+)
+def test_tools_that_cannot_work_stop_the_run_at_start_naming_them(tiny_model, files, tmp_path, extra, message):
+    folder, data = files
+    (folder / "agents.py").write_text("def plain(prompt, generate, tokenizer):\n    return {}\n\n"
+                                      "class Untyped:\n    def act(self, x):\n        return x\n")  # fmt: skip
+    plain = write_jsonl([{"prompt": "1+1=", "answer": "2"}], folder / "plain.jsonl")
+    extra = [str(plain) if e == "PLAIN" else e.replace("AGENTS", str(folder / "agents.py")) for e in extra]
+    proc = cli_here("train", *_args(tiny_model, data, tmp_path / "run", 4, "--reward_funcs", "exact_match", *extra))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_colocated_run_calls_the_tool_and_shows_each_turn(tool_model, files, tmp_path):
     _, data = files
     out = tmp_path / "run"
