@@ -8,12 +8,16 @@ and test_async.py (tools in colocated, server and async runs) and the vLLM suite
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import threading
 
 import pytest
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import cli_here, same_collectives, train
+from conftest import ENV, cli_here, command, same_collectives, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.init_model import CHAT_TEMPLATE, build_tokenizer, save, warmup_sft
 from tandem.rollout.multiturn import MultiTurn, Prompt, RolloutFunction, TemplateGlue, encode_conversation, turn_seed
@@ -452,3 +456,30 @@ def test_two_processes_train_an_async_multi_turn_run_exactly_like_one(tool_model
     assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
     # rank 0's trajectories are the first half of each round's in both
     assert [c["completion"] for c in one_c if c["round"] == 1][:8] == [c["completion"] for c in two_c if c["round"] == 1][:8]
+
+
+def test_a_killed_async_multi_turn_run_resumes_bitwise_from_rounds_saved_whole(tool_model, files, server, tmp_path):
+    folder, data = files
+    extra = ["--max_steps", "8", "--save_steps", "2", "--reward_funcs", "environment", "--environment_factory", f"{folder / 'rounds.py'}:Rounds",
+             "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true"]  # fmt: skip
+    train(1, _args(tool_model, data, tmp_path / "whole", 16, *extra))
+    out = tmp_path / "killed"
+    trainer = subprocess.Popen(command(1, _args(tool_model, data, out, 16, *extra)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=ENV, start_new_session=True)  # fmt: skip
+    try:
+        wait_for_step(out, 3, trainer)
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+    latest = out / (out / "latest").read_text().strip()
+    assert latest.name in ("checkpoint-2", "checkpoint-4", "checkpoint-6")
+    # the round generated ahead is in the checkpoint whole: its trajectories' turns and masks
+    ahead = [r for rnd in json.loads((latest / "rounds_0.json").read_text()) for r in rnd["rollouts"]]
+    several = [r for r in ahead if r["turns"]["turns"] > 1]
+    assert several and all(0 in r["loss_mask"] and len(r["loss_mask"]) == len(r["completion_ids"]) for r in several)
+    train(1, _args(tool_model, data, out, 16, *extra, "--resume_from_checkpoint", "latest"))
+    (m_whole, c_whole), (m_resumed, c_resumed) = _read(tmp_path / "whole"), _read(out)
+    assert [m["step"] for m in m_resumed] == list(range(1, 9))
+    assert [m["loss"] for m in m_resumed] == [m["loss"] for m in m_whole] and [m["reward"] for m in m_resumed] == [m["reward"] for m in m_whole]
+    whole, resumed = load_file(tmp_path / "whole" / "checkpoint-8" / "model.safetensors"), load_file(out / "checkpoint-8" / "model.safetensors")
+    assert all((whole[k] == resumed[k]).all() for k in whole), "weights must be bitwise equal"
