@@ -233,13 +233,15 @@ def test_trained_tokens_are_the_engines_and_the_rest_is_the_templates_rendering(
     assert t0.info["versions"] == [3, 3] and t0.version == 3
 
 
-# A Qwen3-style template: an assistant turn before the last user message loses its <think> block.
+# A Qwen3-style template: an assistant turn before the last user message loses its <think> block,
+# and the conversation's last assistant turn gets an empty one.
 REWRITING_TEMPLATE = CHAT_TEMPLATE.replace(
     "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}",
     "{% else %}{% set ns = namespace(later_user=false) %}"
     "{% for m in messages[loop.index0 + 1:] %}{% if m['role'] == 'user' %}{% set ns.later_user = true %}{% endif %}{% endfor %}"
     "{% set content = message['content'] %}"
     "{% if message['role'] == 'assistant' and ns.later_user and '</think>' in content %}{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}"
+    "{% if message['role'] == 'assistant' and loop.last and '</think>' not in content %}{% set content = '<think>\\n\\n</think>\\n\\n' + content %}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + content }}",
 )
 

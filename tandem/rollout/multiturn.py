@@ -5,9 +5,9 @@ A multi-turn trajectory is one token sequence after its prompt, of segments:
   model tokens     the engine's token ids exactly, with their behaviour log-probs (loss mask 1);
   inserted tokens  tool results, observations and the chat template's glue (loss mask 0).
 The model's tokens are never decoded and re-encoded for training: its text is decoded only to
-find its tool calls. Inserted tokens are the template's rendering of the new messages after a
-fixed conversation, so they do not depend on how the template would render the model's own
-turns. Whether the template would render the whole conversation as these tokens is checked each
+find its tool calls. Inserted tokens are what the template writes after the reply of a fixed
+conversation when the new messages follow it, so they do not depend on how the template would
+render the model's own turns. Whether the template would render the whole conversation as these tokens is checked each
 turn; a template that rewrites earlier turns (Qwen3's drops <think> from turns before the last
 user message) is counted in the metric multi_turn/template_rewrites, and the trajectory keeps the
 tokens the model produced.
@@ -77,28 +77,27 @@ class TemplateGlue:
     def __init__(self, tokenizer, template_kwargs: dict, where: str):
         self.tokenizer, self.kwargs, self.where = tokenizer, template_kwargs, where
         self.base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PLACEHOLDER}]
-        self.base_text = self.render(self.base, False)
-        # What the template writes after an assistant turn's text (ChatML: "<|im_end|>\n"). The
-        # model's turn ends with the start of it (its stop token); the rest is glue to insert.
-        self.close_text = self.base_text[self.base_text.rindex(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         self.rewrites_warned = False
 
     def render(self, messages: list, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs)
 
     def inserted(self, turn_text: str, new_messages: list) -> list[int]:
-        """Token ids that follow a model turn whose text (special tokens kept) is `turn_text`."""
-        glue = self.close_text
-        for k in range(len(glue), 0, -1):
-            if turn_text.endswith(glue[:k]):
-                glue = glue[k:]
-                break
+        """Token ids that follow a model turn whose text (special tokens kept) is `turn_text`:
+        what the template writes after an assistant turn's text and for the new messages, with the
+        start of it the model already wrote (its stop token: ChatML's <|im_end|>) left out. Only
+        what follows the reply counts, so a template that renders earlier turns otherwise once
+        more messages follow (Qwen3's <think> blocks) still gives the right tokens."""
         full = self.render(self.base + new_messages, True)
-        if not full.startswith(self.base_text):
-            raise ValueError(f"the chat template of {self.where} renders a conversation's earlier turns differently once "
-                             f"{[m['role'] for m in new_messages]} messages follow them; multi-turn rollouts need a template "
-                             "that appends each message's text after the earlier ones")  # fmt: skip
-        return self.tokenizer(glue + full[len(self.base_text) :], add_special_tokens=False)["input_ids"]
+        if full.count(_PLACEHOLDER) != 1:
+            raise ValueError(f"the chat template of {self.where} does not write an assistant message's content as it is; "
+                             "multi-turn rollouts need a template that does")  # fmt: skip
+        after = full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+        for k in range(len(after), 0, -1):
+            if turn_text.endswith(after[:k]):
+                after = after[k:]
+                break
+        return self.tokenizer(after, add_special_tokens=False)["input_ids"]
 
     def rewrites(self, ids: list[int], messages: list) -> bool:
         """Whether the template renders `messages` as something else than the tokens `ids`."""
