@@ -18,6 +18,7 @@ def exact_match(prompts, completions, answer, **kwargs):
 
 
 def load_reward(spec: str):
+    """A function from "file.py:name" (a reward function or a tool)."""
     path, name = spec.rsplit(":", 1)
     module_spec = importlib.util.spec_from_file_location("reward", path)
     module = importlib.util.module_from_spec(module_spec)
@@ -32,7 +33,7 @@ class StepLog(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
             record = {"step": state.global_step, "timestamp": time.time(), "reward": logs["reward"],
-                      "mean_length": logs.get("completions/mean_length")}  # fmt: skip
+                      "mean_length": logs.get("completions/mean_length"), "tool_calls": logs.get("tools/call_frequency")}  # fmt: skip
             self.fh.write(json.dumps(record) + "\n")
             self.fh.flush()
 
@@ -44,6 +45,8 @@ def main():
         ap.add_argument(f"--{name}", type=kind, required=True)
     ap.add_argument("--bf16", choices=["true", "false"], required=True)
     ap.add_argument("--reward", help="file.py:function instead of exact_match")
+    ap.add_argument("--tools", nargs="*", default=[], help="file.py:function tools (TRL's `tools`)")
+    ap.add_argument("--max_tool_calling_iterations", type=int)
     args = ap.parse_args()
     config = GRPOConfig(
         output_dir=args.out + ".trl",
@@ -63,6 +66,7 @@ def main():
         bf16=args.bf16 == "true",
         seed=args.seed,
         disable_tqdm=True,
+        **({"max_tool_calling_iterations": args.max_tool_calling_iterations} if args.tools else {}),
     )
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(args.model),
@@ -71,6 +75,7 @@ def main():
         args=config,
         train_dataset=load_dataset("json", data_files=args.data, split="train"),
         callbacks=[StepLog(args.out)],
+        **({"tools": [load_reward(spec) for spec in args.tools]} if args.tools else {}),
     )
     trainer.train()
 

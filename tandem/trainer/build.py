@@ -135,7 +135,7 @@ def build(config: TrainConfig) -> Run:
     prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length,
                             template_kwargs)  # fmt: skip
     table, skipped = load_prompts(config.dataset_name, tokenizer, prompts, max_len)
-    if tool_names is not None and not all(table.conversational):
+    if isinstance(rollouts, MultiTurn) and not all(table.conversational):
         raise ConfigError(f"tools and environment_factory need chat prompts (lists of messages) to render turns with the chat template; "
                           f"{config.dataset_name} has plain-text prompts")  # fmt: skip
     eval_table = load_prompts(config.eval_dataset, tokenizer, prompts, max_len)[0] if config.eval_dataset else None
