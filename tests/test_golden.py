@@ -3,10 +3,13 @@ processes with DDP and with FSDP) must train as it did when tests/golden.json wa
 every loss, reward, KL and other statistic of metrics.jsonl, and the final weights' fingerprint.
 They guard refactorings of the trainer, which must change no result.
 
-Float results depend on the CPU's kernels (AVX-512 against AVX2 code paths round differently),
-so the comparison is exact on a CPU of the recording's capability and within 1e-5 on others.
-Record again (`python tests/test_golden.py`) only for a change meant to change results, and say
-so in its commit.
+Float results depend on the CPU's kernels (AVX-512 against AVX2 code paths round differently,
+and four steps at lr 1e-2 carry that to 2e-5 in a gradient norm), so golden.json holds one
+recording per CPU capability (torch.backends.cpu.get_cpu_capability(): AVX512, AVX2). A run is
+compared exactly with its own capability's; a CPU of a capability not recorded is compared with
+another's within 1e-5. Record again (`python tests/test_golden.py`, on each kind of machine: it
+keeps the other kinds' recordings) only for a change meant to change results, and say so in its
+commit.
 """
 
 import json
@@ -86,10 +89,10 @@ def _same(got, want, exact: bool) -> bool:
 
 @pytest.mark.parametrize("name", list(MODES))
 def test_each_mode_trains_as_recorded(name, tiny_model, data, server, tmp_path):
-    golden = json.loads(GOLDEN.read_text())
+    recordings = json.loads(GOLDEN.read_text())["recordings"]
     got = _run(name, tiny_model, data, tmp_path, server.url)
-    want = golden["runs"][name]
-    exact = golden["cpu"] == torch.backends.cpu.get_cpu_capability()
+    exact = torch.backends.cpu.get_cpu_capability() in recordings
+    want = recordings[torch.backends.cpu.get_cpu_capability() if exact else sorted(recordings)[0]][name]
     assert len(got["metrics"]) == len(want["metrics"])
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"]), start=1):
         assert set(g) == set(w), (step, set(g) ^ set(w))
@@ -115,5 +118,7 @@ if __name__ == "__main__":  # record: python tests/test_golden.py (starts its ow
             runs = {name: _run(name, model, dataset, tmp, server.url) for name in MODES}
         finally:
             server.stop()
-    GOLDEN.write_text(json.dumps({"cpu": torch.backends.cpu.get_cpu_capability(), "runs": runs}, indent=1) + "\n")
-    print(f"recorded {', '.join(runs)} in {GOLDEN}", file=sys.stderr)
+    recordings = json.loads(GOLDEN.read_text())["recordings"] if GOLDEN.exists() else {}
+    recordings[torch.backends.cpu.get_cpu_capability()] = runs
+    GOLDEN.write_text(json.dumps({"recordings": recordings}, indent=1) + "\n")
+    print(f"recorded {', '.join(runs)} for {torch.backends.cpu.get_cpu_capability()} in {GOLDEN}", file=sys.stderr)

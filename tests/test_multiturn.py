@@ -48,6 +48,7 @@ def test_calculator_runs_nothing_but_arithmetic(expression):
 # --------------------------------------------------------------------------- parsing calls
 
 
+@pytest.mark.quick
 def test_hermes_finds_each_call_and_turns_malformed_ones_into_errors():
     text = (
         'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
@@ -64,6 +65,7 @@ def test_hermes_finds_each_call_and_turns_malformed_ones_into_errors():
 # --------------------------------------------------------------------------- running tools
 
 
+@pytest.mark.quick
 def test_a_tool_that_fails_in_any_way_gives_the_model_an_error_and_the_run_goes_on():
     def boom(x: int) -> str:
         """Raise.
@@ -204,6 +206,7 @@ def _model_tokens(t):
     return [x for x, m in zip(t.token_ids, t.loss_mask) if m]
 
 
+@pytest.mark.quick
 def test_trained_tokens_are_the_engines_and_the_rest_is_the_templates_rendering():
     mt, tok, schemas = _multi_turn()
     replies = [["I will compute. " + _call("123456789*987654321"), "It is 121932631112635269."], ["No tool needed: 4."]]
@@ -261,6 +264,7 @@ class Guess:
         return float(self.guesses)
 
 
+@pytest.mark.quick
 def test_a_template_that_rewrites_earlier_turns_is_detected_and_the_models_tokens_are_kept():
     assert REWRITING_TEMPLATE != CHAT_TEMPLATE
     mt, tok, schemas = _multi_turn(template=REWRITING_TEMPLATE, environment_factory=Guess, tools=())
@@ -323,6 +327,7 @@ def _agent(cheat: bool):
     return agent
 
 
+@pytest.mark.quick
 def test_a_rollout_function_trains_only_the_tokens_its_generate_calls_returned():
     questions = ["Q one", "Q two"]
     prompts = _prompts(TOKENIZER, [], questions)
