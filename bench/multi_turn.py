@@ -7,11 +7,13 @@ Creates bench/.venv-trl the first time (as bench/vs_trl.py does). TRL parses too
 response schema it knows only for some chat templates (`add_response_schema`), so both sides use
 Qwen3's chat template, read from the installed TRL, on the project's byte-level tokenizer.
 
-Shape: the `small` model (3M parameters) after a supervised warm-up of 200 steps on calling the
-tool (`add(a, b)`) on the demo's prompts, in Qwen3's format, then answering with its result;
+Shape: the `tiny` model (0.1M parameters) after a supervised warm-up of 120 steps on calling
+the tool (`add(a, b)`) on the demo's prompts, in Qwen3's format, then answering with its result;
+prompts of about 725 tokens (Qwen3's tool preamble and the tool's schema, one token a byte),
 8 prompts x 8 generations per step, max_tool_calling_iterations 2, completions (every turn and
 tool result) of at most 192 tokens, exact_match, beta 0, loss dapo, temperature 1, lr 1e-4,
-fp32; each side's other settings at their defaults.
+fp32; each side's other settings at their defaults. (The `small` model's warm-up alone would
+take some 15 minutes at this prompt length on 2 cores.)
 
 Printed per configuration: seconds per step and completion tokens/s end to end (medians over the
 steps after the first 3; tokens are every token after the prompt, model and inserted alike),
@@ -61,7 +63,7 @@ def prepare(tmp: Path) -> tuple[Path, Path, Path]:
     (tmp / "tool.py").write_text(TOOL)
     namespace: dict = {}
     exec(TOOL, namespace)  # noqa: S102 - the benchmark's own tool, to build its schema
-    model, tok = init_model(tmp / "model", size="small", seed=0)
+    model, tok = init_model(tmp / "model", size="tiny", seed=0)
     tok.chat_template = qwen3_template()
     glue = TemplateGlue(tok, {"tools": [make_tool(namespace["add"], "add").schema]}, "the benchmark's model")
     rng, rows = random.Random(0), []
@@ -71,7 +73,7 @@ def prepare(tmp: Path) -> tuple[Path, Path, Path]:
         messages = [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
                     {"role": "tool", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]  # fmt: skip
         rows.append(encode_conversation(tok, glue, messages))
-    warmup_sft(model, tok, rows=rows, steps=200, lr=1e-3)
+    warmup_sft(model, tok, rows=rows, steps=120, lr=1e-2)
     save(model, tok, tmp / "model")
     return tmp / "model", write_jsonl(addition_rows(0), tmp / "data.jsonl"), tmp / "tool.py"
 
@@ -88,7 +90,8 @@ def run(config: str, steps: int, tmp: Path, model: Path, data: Path, tool: Path)
                "--reward_funcs", "exact_match", "--output_dir", out, "--max_steps", steps, "--seed", 0,
                "--per_device_train_batch_size", BATCH, "--num_generations", G, "--max_completion_length", LENGTH,
                "--learning_rate", 1e-4, "--lr_scheduler_type", "constant", "--beta", 0, "--loss_type", "dapo", "--bf16", "false",
-               "--save_steps", 0, "--disable_tqdm", "true", "--tools", f"{tool}:add", "--max_tool_calling_iterations", ITERATIONS]  # fmt: skip
+               "--save_steps", 0, "--disable_tqdm", "true", "--tools", f"{tool}:add", "--max_tool_calling_iterations", ITERATIONS,
+               "--max_prompt_length", "none"]  # fmt: skip
         if "server" in config:
             server, url = start_server(model, "--dtype", "float32")
             cmd += ["--rollout_mode", "server", "--rollout_server_urls", url, "--async_generate", str("async" in config).lower()]
@@ -119,7 +122,7 @@ def run(config: str, steps: int, tmp: Path, model: Path, data: Path, tool: Path)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     args = ap.parse_args()
     ensure_trl()
@@ -128,7 +131,7 @@ def main() -> None:
         model, data, tool = prepare(tmp)
         results = {c: run(c, args.steps, tmp, model, data, tool) for c in args.configs}
     base = results.get("trl", {}).get("tokens_per_s")
-    print(f"\nmulti-turn shape: small model, {BATCH // G} prompts x {G}, tool add, up to {ITERATIONS} tool turns, {LENGTH} tokens, fp32")
+    print(f"\nmulti-turn shape: tiny model, {BATCH // G} prompts x {G}, tool add, up to {ITERATIONS} tool turns, {LENGTH} tokens, fp32")
     print(f"{'configuration':<20} {'s/step':>7} {'tokens/s':>9} {'vs TRL':>7} {'calls/traj':>10} {'reward':>7}")
     for config, r in results.items():
         if "error" in r:
