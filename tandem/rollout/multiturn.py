@@ -24,6 +24,7 @@ from tandem.rollout.tools import TOOL_PARSERS, Tool, ToolCall, ToolRunner, envir
 from tandem.rollout.types import Completion, SamplingParams
 
 _PLACEHOLDER = "\x00tandem reply\x00"
+_STOP_TEXT_CHARS = 64  # the longest text of a stop token looked for at the end of a turn (ChatML's <|im_end|> has 10)
 
 
 @dataclass
@@ -93,7 +94,7 @@ class TemplateGlue:
             raise ValueError(f"the chat template of {self.where} does not write an assistant message's content as it is; "
                              "multi-turn rollouts need a template that does")  # fmt: skip
         after = full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
-        for k in range(len(after), 0, -1):
+        for k in range(min(len(after), len(turn_text), _STOP_TEXT_CHARS), 0, -1):
             if turn_text.endswith(after[:k]):
                 after = after[k:]
                 break
