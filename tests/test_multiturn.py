@@ -281,6 +281,16 @@ def test_a_template_that_rewrites_earlier_turns_is_detected_and_the_models_token
     assert t.info["template_rewrites"] == 0 and _model_tokens(t) == expected[0] + expected[1]
 
 
+def test_an_environment_that_raises_stops_the_round_naming_what_raised():
+    class Broken(Guess):
+        def step(self, text):
+            raise KeyError("no such room")
+
+    mt, tok, _ = _multi_turn(environment_factory=Broken, tools=())
+    with pytest.raises(RuntimeError, match="environment_factory: step raised KeyError: 'no such room'"):
+        _run(mt, tok, [], ["Guess the number"], [["3"]])
+
+
 def test_max_completion_length_bounds_model_and_inserted_tokens_together():
     call = _call("123456789*987654321")
     limit = len(call) + 1 + 150  # the call and its stop token (one token a character), then 150 for the rest

@@ -197,9 +197,9 @@ class MultiTurn:
         messages = copy.deepcopy(prompt.messages)
         t = _Live(prompt.ids, messages, seed, self.tools)
         if self.environment_factory is not None:
-            t.env = self.environment_factory()
+            t.env = _environment_call(self.environment_factory, "its constructor")
             t.tools = {**self.tools, **{tool.name: tool for tool in environment_tools(t.env)}}
-            observation = t.env.reset(**prompt.row) if hasattr(t.env, "reset") else None
+            observation = _environment_call(t.env.reset, "reset", **prompt.row) if hasattr(t.env, "reset") else None
             if observation is not None:  # appended to the prompt's last message, as TRL does
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
                 t.prompt_ids = self.tokenizer(self.glue.render(messages, True), add_special_tokens=False)["input_ids"]
@@ -237,7 +237,7 @@ class MultiTurn:
                 calls += [(t.tools, c) for c in found]
                 owners += [t] * len(found)
             else:
-                observation = t.env.step(text)
+                observation = _environment_call(t.env.step, "step", text)
                 if observation is None:
                     t.finish = "stop"
                 else:
@@ -278,12 +278,21 @@ class MultiTurn:
             "tool_calls": t.calls,
             "versions": t.versions,
             "template_rewrites": t.rewrites,
-            "environment_reward": t.env.get_reward() if hasattr(t.env, "get_reward") else None,
+            "environment_reward": _environment_call(t.env.get_reward, "get_reward") if hasattr(t.env, "get_reward") else None,
         }
         return Trajectory(t.ids, t.logprobs, t.mask, t.finish or "stop", min(t.versions), t.prompt_ids if t.new_prompt else None, info)
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _environment_call(fn: Callable, what: str, *args, **kwargs):
+    """An environment's own code: a failure there stops the round naming it (a tool's failure,
+    by contrast, is the model's to see)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        raise RuntimeError(f"environment_factory: {what} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _last_turn_length(t: _Live) -> int:
