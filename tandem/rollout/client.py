@@ -215,7 +215,17 @@ class RolloutClient:
                 "min_version": min_version,
                 "version_timeout": version_timeout,
             }
-            out = self._retrying(lambda: self._call("POST", url, "/generate", "a generate request", json=body))["completions"]
+
+            def request():
+                # A server replaced since the last call would hold a request that needs a version
+                # only a push gives back. Under several processes, the rank that pushes may meet it
+                # first with a request that succeeds, and so never notice, while a rank that noticed
+                # (and pushes nothing) waits on the version (seen with FSDP on a slow machine). So
+                # each generate call first asks which process answers, and resyncs a new one.
+                self._check_restart(url, self._instances.get(url), 0.0)
+                return self._call("POST", url, "/generate", "a generate request", json=body)
+
+            out = self._retrying(request)["completions"]
             if len(out) != hi - lo:
                 raise RolloutServerError(f"rollout server {url} returned {len(out)} completions for {hi - lo} prompts")
             return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], c["version"]) for c in out]
