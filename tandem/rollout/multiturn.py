@@ -174,6 +174,7 @@ class MultiTurn:
         self.glue = TemplateGlue(tokenizer, template_kwargs, where)
         self.tools = {t.name: t for t in tools}
         self.environment_factory = environment_factory
+        self._env_tools: list[Tool] | None = None  # an environment's methods as tools, schemas made once
         self.parse = TOOL_PARSERS[parser]
         self.max_iterations, self.max_length = max_iterations, max_completion_length
         self.max_response = max_tool_response_tokens
@@ -198,13 +199,20 @@ class MultiTurn:
         t = _Live(prompt.ids, messages, seed, self.tools)
         if self.environment_factory is not None:
             t.env = _environment_call(self.environment_factory, "its constructor")
-            t.tools = {**self.tools, **{tool.name: tool for tool in environment_tools(t.env)}}
+            t.tools = {**self.tools, **self._environment_tools(t.env)}
             observation = _environment_call(t.env.reset, "reset", **prompt.row) if hasattr(t.env, "reset") else None
             if observation is not None:  # appended to the prompt's last message, as TRL does
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
                 t.prompt_ids = self.tokenizer(self.glue.render(messages, True), add_special_tokens=False)["input_ids"]
                 t.new_prompt = True
         return t
+
+    def _environment_tools(self, env) -> dict[str, Tool]:
+        """The environment's methods as tools bound to this instance; their JSON schemas are made
+        once, from the first instance, not again for every trajectory."""
+        if self._env_tools is None:
+            self._env_tools = environment_tools(env)
+        return {tool.name: replace(tool, fn=getattr(env, tool.name)) for tool in self._env_tools}
 
     def _model_turn(self, t: _Live, out: Completion) -> str:
         """Append the engine's tokens; returns their text (for parsing only)."""
