@@ -76,7 +76,11 @@ def _export(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from tandem.show import read_completions, table
 
-    print(table(read_completions(Path(args.run_dir)), args.step, args.width))
+    text = table(read_completions(Path(args.run_dir)), args.step, args.width)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `tandem show RUN | head`: the reader stopped reading, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python's exit flush fails again
     return 0
 
 

@@ -4,6 +4,7 @@ reader, W&B's offline run folder, and a tracker whose package is missing."""
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -128,3 +129,15 @@ def test_show_prints_the_logged_completions_of_a_step(run):
         assert f"{line['advantage']:+.3f}" in row and "".join(c if c.isprintable() else repr(c)[1:-1] for c in line["completion"]) in row
     proc = cli_here("show", run, "--step", "99")
     assert proc.returncode == 2 and "no completions logged at step 99" in proc.stderr
+
+
+def test_show_into_a_pipe_its_reader_closed_exits_0(run, monkeypatch):
+    # `tandem show RUN | head -8` (docs/multi-turn.md): head may exit before show writes, and
+    # show then raised BrokenPipeError, which failed the page under `set -o pipefail`.
+    from tandem.cli import main
+
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        assert main(["show", str(run)]) == 0
