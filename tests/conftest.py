@@ -18,6 +18,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # `pytest -n N`: N test processes share the cores already, so each test, and every process it
+    # starts (`tandem` commands, the docs' scripts), computes on one thread. Two processes of two
+    # threads on two cores ran the demo six times slower than one alone.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def run_cli(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
