@@ -21,7 +21,7 @@ from conftest import ENV, cli_here, command, same_collectives, train, wait_for_s
 from tandem.demo import addition_rows, write_jsonl
 from tandem.init_model import CHAT_TEMPLATE, build_tokenizer, save, warmup_sft
 from tandem.rollout.multiturn import MultiTurn, Prompt, RolloutFunction, TemplateGlue, encode_conversation, turn_seed
-from tandem.rollout.tools import ToolCall, ToolRunner, calculator, load_tools, make_tool, parse_hermes
+from tandem.rollout.tools import ToolCall, ToolRunner, calculator, environment_tools, load_tools, make_tool, parse_hermes
 from tandem.rollout.types import Completion, SamplingParams
 
 # --------------------------------------------------------------------------- the calculator
@@ -181,7 +181,8 @@ def _multi_turn(template=None, environment_factory=None, max_iterations=3, max_l
         tok = build_tokenizer()
         tok.chat_template = template
     schemas = [t.schema for t in load_tools(list(tools))]
-    mt = MultiTurn(tok, {"tools": schemas}, "the test's tokenizer", load_tools(list(tools)), environment_factory, "hermes",
+    env_tools = environment_tools(environment_factory()) if environment_factory else []
+    mt = MultiTurn(tok, {"tools": schemas}, "the test's tokenizer", load_tools(list(tools)), environment_factory, env_tools, "hermes",
                    max_iterations, max_length, tool_timeout=5, max_tool_response_tokens=max_response)  # fmt: skip
     return mt, tok, schemas
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from tandem.rollout.sampling import mix64
-from tandem.rollout.tools import TOOL_PARSERS, Tool, ToolCall, ToolRunner, environment_tools
+from tandem.rollout.tools import TOOL_PARSERS, Tool, ToolCall, ToolRunner
 from tandem.rollout.types import Completion, SamplingParams
 
 _PLACEHOLDER = "\x00tandem reply\x00"
@@ -164,6 +164,7 @@ class MultiTurn:
         where: str,
         tools: list[Tool],
         environment_factory: Callable | None,
+        environment_tools: list[Tool],
         parser: str,
         max_iterations: int,
         max_completion_length: int,
@@ -174,7 +175,7 @@ class MultiTurn:
         self.glue = TemplateGlue(tokenizer, template_kwargs, where)
         self.tools = {t.name: t for t in tools}
         self.environment_factory = environment_factory
-        self._env_tools: list[Tool] | None = None  # an environment's methods as tools, schemas made once
+        self.env_tools = environment_tools  # its methods as tools, schemas made once from one instance
         self.parse = TOOL_PARSERS[parser]
         self.max_iterations, self.max_length = max_iterations, max_completion_length
         self.max_response = max_tool_response_tokens
@@ -199,20 +200,13 @@ class MultiTurn:
         t = _Live(prompt.ids, messages, seed, self.tools)
         if self.environment_factory is not None:
             t.env = _environment_call(self.environment_factory, "its constructor")
-            t.tools = {**self.tools, **self._environment_tools(t.env)}
+            t.tools = {**self.tools, **{tool.name: replace(tool, fn=getattr(t.env, tool.name)) for tool in self.env_tools}}
             observation = _environment_call(t.env.reset, "reset", **prompt.row) if hasattr(t.env, "reset") else None
             if observation is not None:  # appended to the prompt's last message, as TRL does
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
                 t.prompt_ids = self.tokenizer(self.glue.render(messages, True), add_special_tokens=False)["input_ids"]
                 t.new_prompt = True
         return t
-
-    def _environment_tools(self, env) -> dict[str, Tool]:
-        """The environment's methods as tools bound to this instance; their JSON schemas are made
-        once, from the first instance, not again for every trajectory."""
-        if self._env_tools is None:
-            self._env_tools = environment_tools(env)
-        return {tool.name: replace(tool, fn=getattr(env, tool.name)) for tool in self._env_tools}
 
     def _model_turn(self, t: _Live, out: Completion) -> str:
         """Append the engine's tokens; returns their text (for parsing only)."""

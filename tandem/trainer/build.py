@@ -331,12 +331,13 @@ def _turns(config: TrainConfig, tokenizer) -> tuple[Rollouts, dict, list[str] | 
     try:
         tools = load_tools(config.tools)
         factory = load_object(config.environment_factory, "environment_factory", "class") if config.environment_factory else None
-        every_tool = tools + (environment_tools(factory()) if factory else [])  # the schemas of an environment's methods, from one instance
+        env_tools = environment_tools(factory()) if factory else []  # the schemas of an environment's methods, from one instance
+        every_tool = tools + env_tools
     except (ValueError, OSError, ImportError) as exc:
         raise ConfigError(str(exc)) from exc
     if every_tool:
         template_kwargs["tools"] = [t.schema for t in every_tool]
-    rollouts = MultiTurn(tokenizer, template_kwargs, config.model_name_or_path, tools, factory, config.tool_parser, config.tool_turns(),
+    rollouts = MultiTurn(tokenizer, template_kwargs, config.model_name_or_path, tools, factory, env_tools, config.tool_parser, config.tool_turns(),
                          config.max_completion_length, config.tool_timeout, config.max_tool_response_tokens)  # fmt: skip
     return rollouts, template_kwargs, [t.name for t in every_tool] + [INVALID_CALL, UNKNOWN_TOOL]
 
