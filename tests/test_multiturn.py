@@ -292,6 +292,22 @@ def test_an_environment_that_raises_stops_the_round_naming_what_raised():
         _run(mt, tok, [], ["Guess the number"], [["3"]])
 
 
+def test_the_environments_of_a_round_step_concurrently():
+    # Each step waits until both trajectories' steps have started: one after the other, the first
+    # would wait past the barrier's timeout and the round would stop naming it.
+    barrier = threading.Barrier(2, timeout=5)
+
+    class Meeting(Guess):
+        def step(self, text):
+            barrier.wait()
+            return super().step(text)
+
+    mt, tok, _ = _multi_turn(environment_factory=Meeting, tools=())
+    trajectories, _ = _run(mt, tok, [], ["Guess one", "Guess two"], [["3", "4"], ["5", "6"]])
+    assert [t.info["turns"] for t in trajectories] == [2, 2]
+    assert [t.info["environment_reward"] for t in trajectories] == [2.0, 2.0]
+
+
 def test_max_completion_length_bounds_model_and_inserted_tokens_together():
     call = _call("123456789*987654321")
     limit = len(call) + 1 + 150  # the call and its stop token (one token a character), then 150 for the rest

@@ -154,7 +154,8 @@ class MultiTurn:
     no tool, max_tool_calling_iterations is reached or max_completion_length is filled.
 
     A round's trajectories advance together: each turn, every live one's next generation goes to
-    the engine in one call, and the tool calls of all of them run concurrently.
+    the engine in one call, and the tool calls (or environment steps) of all of them run
+    concurrently.
     """
 
     def __init__(
@@ -228,7 +229,7 @@ class MultiTurn:
 
     def _respond(self, asking: list[tuple[_Live, str]], last: bool) -> None:
         """Run the tools the turns call (or the environments' step), then insert the results."""
-        calls, owners = [], []
+        calls, owners, stepping = [], [], []
         for t, text in asking:
             found = self.parse(text) if t.tools else []
             if found:
@@ -239,11 +240,15 @@ class MultiTurn:
                 calls += [(t.tools, c) for c in found]
                 owners += [t] * len(found)
             else:
-                observation = _environment_call(t.env.step, "step", text)
-                if observation is None:
-                    t.finish = "stop"
-                else:
-                    self._insert(t, [{"role": "user", "content": str(observation)}])
+                stepping.append((t, text))
+        # Each trajectory has its own environment, so their steps run at once in the tools' pool
+        # (a step that waits on a game server or a judge need not wait for the others').
+        observations = self.runner.pool.map(lambda tt: _environment_call(tt[0].env.step, "step", tt[1]), stepping)
+        for (t, _), observation in zip(stepping, list(observations)):
+            if observation is None:
+                t.finish = "stop"
+            else:
+                self._insert(t, [{"role": "user", "content": str(observation)}])
         results = self.runner.run(calls)
         new: dict[int, tuple[_Live, list]] = {}
         for t, call, result in zip(owners, calls, results):
