@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -175,7 +176,7 @@ def _call(expression: str) -> str:
     return f'<tool_call>{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}</tool_call>'
 
 
-def _multi_turn(template=None, environment_factory=None, max_iterations=3, max_length=400, tools=("calculator",), max_response=None):
+def _multi_turn(template=None, environment_factory=None, max_iterations=3, max_length=400, tools=("calculator",), max_response=None, timeout=5):
     tok = TOKENIZER
     if template is not None:
         tok = build_tokenizer()
@@ -183,7 +184,7 @@ def _multi_turn(template=None, environment_factory=None, max_iterations=3, max_l
     schemas = [t.schema for t in load_tools(list(tools))]
     env_tools = environment_tools(environment_factory()) if environment_factory else []
     mt = MultiTurn(tok, {"tools": schemas}, "the test's tokenizer", load_tools(list(tools)), environment_factory, env_tools, "hermes",
-                   max_iterations, max_length, tool_timeout=5, max_tool_response_tokens=max_response)  # fmt: skip
+                   max_iterations, max_length, tool_timeout=timeout, max_tool_response_tokens=max_response)  # fmt: skip
     return mt, tok, schemas
 
 
@@ -289,6 +290,14 @@ def test_an_environment_that_raises_stops_the_round_naming_what_raised():
 
     mt, tok, _ = _multi_turn(environment_factory=Broken, tools=())
     with pytest.raises(RuntimeError, match="environment_factory: step raised KeyError: 'no such room'"):
+        _run(mt, tok, [], ["Guess the number"], [["3"]])
+
+    class Stuck(Guess):
+        def step(self, text):
+            time.sleep(0.5)
+
+    mt, tok, _ = _multi_turn(environment_factory=Stuck, tools=(), timeout=0.1)
+    with pytest.raises(RuntimeError, match=r"environment_factory: step took longer than tool_timeout \(0.1s\)"):
         _run(mt, tok, [], ["Guess the number"], [["3"]])
 
 

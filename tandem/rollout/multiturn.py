@@ -16,6 +16,7 @@ tokens the model produced.
 import asyncio
 import copy
 import sys
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
@@ -243,8 +244,12 @@ class MultiTurn:
                 stepping.append((t, text))
         # Each trajectory has its own environment, so their steps run at once in the tools' pool
         # (a step that waits on a game server or a judge need not wait for the others').
-        observations = self.runner.pool.map(lambda tt: _environment_call(tt[0].env.step, "step", tt[1]), stepping)
-        for (t, _), observation in zip(stepping, list(observations)):
+        steps = [self.runner.pool.submit(_environment_call, t.env.step, "step", text) for t, text in stepping]
+        for (t, _), step in zip(stepping, steps):
+            try:
+                observation = step.result(timeout=self.runner.timeout)
+            except FutureTimeout:
+                raise RuntimeError(f"environment_factory: step took longer than tool_timeout ({self.runner.timeout:g}s)") from None
             if observation is None:
                 t.finish = "stop"
             else:
