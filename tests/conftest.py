@@ -119,7 +119,7 @@ class Server:
             try:
                 if requests.get(self.url + "/health", timeout=1).json()["status"] == "ready":
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or too busy starting to answer within 1 s
                 pass
             time.sleep(0.2)
         self.stop()
