@@ -70,6 +70,23 @@ def test_info_names_the_engine_and_the_cores_it_keeps_busy(served):
     assert (info["engine"], info["threads"]) == {"transformers": ("TransformersEngine", half), "vllm": ("VLLMEngine", half + 1)}[served.engine]
 
 
+def test_info_counts_the_prompt_tokens_the_prefix_cache_served(served):
+    # A conversation's next turn repeats the last one as its prompt. vLLM serves the repeated
+    # full blocks of keys and values (128 tokens each on CPU) from its prefix cache; tandem's own
+    # engine keeps no cache across calls.
+    client = client_of(served)
+    params = SamplingParams(max_tokens=4)
+    first = [1 + (7 * i) % 200 for i in range(300)]  # two full blocks and part of a third
+    before = call(served, "GET", "/info").json()["stats"]
+    reply = client.generate([first], params, [1])[0]
+    second = first + reply.token_ids + [5, 6, 7]  # the reply and a tool result after it
+    client.generate([second], params, [2])
+    after = call(served, "GET", "/info").json()["stats"]
+    assert after["prompt_tokens"] - before["prompt_tokens"] == len(first) + len(second)
+    cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    assert cached == {"transformers": 0, "vllm": 256}[served.engine]
+
+
 def test_seeded_completions_repeat_and_do_not_depend_on_their_batch(served):
     client = client_of(served)
     params = SamplingParams(max_tokens=12)

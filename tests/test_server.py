@@ -91,6 +91,9 @@ def test_concurrent_clients_are_batched_and_none_starves(server):
         for a, b in zip(r, s):
             assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)  # batch shape moves the last bits only
     assert mid["engine_calls"] - before["engine_calls"] == len(bodies)
+    # every sequence's prompt counted, none from a prefix cache (this engine has none)
+    assert mid["prompt_tokens"] - before["prompt_tokens"] == sum(len(PROMPT) * b["n"] for b in bodies)
+    assert mid["cached_prompt_tokens"] == before["cached_prompt_tokens"] == 0
     calls = after["engine_calls"] - mid["engine_calls"]
     assert calls <= 4, f"{len(bodies) + 1} concurrent requests took {calls} engine calls"
 

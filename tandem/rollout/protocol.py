@@ -61,7 +61,7 @@ class Info(BaseModel):
     max_weight_chunk_bytes: int
     host_id: str  # equal for processes on one host: lets a client pick the shared-memory path
     threads: int  # CPU threads the engine keeps busy: a trainer on the same host leaves them free
-    stats: dict[str, int]  # requests, engine_calls, sequences served so far
+    stats: dict[str, int]  # requests, engine_calls, sequences, prompt_tokens and cached_prompt_tokens (prefix cache hits) so far
 
 
 class WeightUpdateBegin(_Strict):

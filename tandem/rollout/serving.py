@@ -139,7 +139,9 @@ class RolloutService:
         self._stopped = False
         self._broken: str | None = None  # why the engine's weights are mixed: an update failed midway
         self.run: RunHold | None = None  # the run that holds the server, if one claimed it
-        self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0}
+        # prompt_tokens: of the sequences generated; cached_prompt_tokens: those of them the
+        # engine's prefix cache served (a multi-turn trajectory's earlier turns, a group's prompt)
+        self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}
         self.instance_id = uuid.uuid4().hex
         self._worker = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._worker.start()
@@ -306,6 +308,9 @@ class RolloutService:
             with self._cv:
                 self._running -= 1
                 self._cv.notify_all()
+        with self._cv:
+            self.stats["prompt_tokens"] += sum(len(p) for p in prompts)
+            self.stats["cached_prompt_tokens"] += sum(c.cached_tokens for c in outs)
         bad = next((i for i, c in enumerate(outs) if not all(math.isfinite(x) for x in c.logprobs)), None)
         start = 0
         for job in batch:

@@ -48,6 +48,7 @@ class Completion:
     logprobs: list[float]  # behaviour log-prob of each token, log softmax(logits / temperature)
     finish_reason: str  # one of FINISH_REASONS
     version: int = 0  # policy version of the weights that generated it
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (vLLM's); 0 for an engine without one
 
 
 @dataclass

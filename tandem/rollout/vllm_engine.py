@@ -119,7 +119,8 @@ class VLLMEngine:
             tokens = list(out.token_ids)
             logprobs = [step[tok].logprob for step, tok in zip(out.logprobs, tokens)]
             finish = out.finish_reason if out.finish_reason in ("stop", "length") else "error"
-            return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=finish, version=version)
+            cached = final.num_cached_tokens or 0
+            return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=finish, version=version, cached_tokens=cached)
 
         return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds))))
 
