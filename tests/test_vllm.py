@@ -98,7 +98,7 @@ def test_the_demo_task_reward_rises_with_a_vllm_server(tmp_path):
     # attention needs them; `tiny` with one head of 64 learns little), in server mode, at a
     # learning rate for that size (the demo's 1e-3 is tiny's: small rises, then collapses).
     # Async, as most runs are: vLLM generates the next round while the trainer trains. Measured
-    # (100 steps, this machine): first-10 mean 0.25, last-10 0.60 in 154 s; sync 0.25 and 0.66 in 229 s.
+    # (100 steps, AVX2): first-10 mean 0.25, last-10 0.60, trained in 154 s; sync 0.25 and 0.66 in 229 s.
     model, dataset = prepare(tmp_path / "demo", seed=0, size="small", head_dim=64)
     server = Server(model, *VLLM_SERVER)
     try:

@@ -140,7 +140,7 @@ class RolloutService:
         self._broken: str | None = None  # why the engine's weights are mixed: an update failed midway
         self.run: RunHold | None = None  # the run that holds the server, if one claimed it
         # prompt_tokens: of the sequences generated; cached_prompt_tokens: those of them the
-        # engine's prefix cache served (a multi-turn trajectory's earlier turns, a group's prompt)
+        # engine's prefix cache served (a multi-turn trajectory's earlier turns, for one)
         self.stats = {"requests": 0, "engine_calls": 0, "sequences": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}
         self.instance_id = uuid.uuid4().hex
         self._worker = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
