@@ -210,6 +210,7 @@ def test_the_version_gate_waits_for_the_update(served, model64):
         ("POST", "/generate", {"json": gen_body(sampling={"max_tokens": 5000})}, 400, "max_model_len"),
         ("POST", "/generate", {"json": gen_body(prompts=[PROMPT * 20000], seeds=[1, 2])}, 413, "limit"),
         ("POST", "/generate", {"json": gen_body(min_version=999, version_timeout=0.2)}, 409, "min_version 999"),
+        ("POST", "/generate", {"json": gen_body(instance_id="0" * 32)}, 409, "server restarted"),
         ("POST", "/weights/begin", {"json": {"version": 999, "num_tensors": 1}}, 409, "update to version 999 refused"),
         ("POST", "/weights/nosuch/commit", {}, 404, "nosuch"),
         ("GET", "/info", {"key": "wrong"}, 401, "Authorization"),

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -292,6 +293,27 @@ def test_a_weight_chunk_whose_connection_broke_is_sent_again_whole(server, tiny_
     finally:
         client.close()
     assert broken and broken[0] > 0
+
+
+def test_a_generate_request_that_reaches_a_replaced_process_resyncs_it(server, tiny_model, caplog):
+    # The race CI met twice with FSDP: the server restarted, and the rank that pushes sent its
+    # next generate request to the new process before anything told it the old one was gone.
+    # The state that leaves, without a restart: the client synced a process (here a made-up
+    # one) that is not the one answering. The request must be refused and the client resync,
+    # where it would otherwise be served (or wait on the version, for a version only it pushes).
+    client = RolloutClient([server.url], api_key=KEY, server_timeout=30)
+    try:
+        client.wait_until_ready()
+        version = client.fingerprints()[0]["version"] + 1
+        client.push_weights(shifted_weights(tiny_model, 3e-3), version=version)
+        client._instances[server.url] = "0" * 32
+        with caplog.at_level(logging.WARNING, logger="tandem"):
+            out = client.generate([PROMPT], SamplingParams(max_tokens=3), [7], min_version=version, version_timeout=30)
+        assert [c.version for c in out] == [version]
+        assert client._instances[server.url] == call(server, "GET", "/health").json()["instance_id"]
+        assert f"rollout server {server.url} restarted" in caplog.text
+    finally:
+        client.close()
 
 
 def test_a_push_whose_first_request_reaches_a_restarted_server_gives_it_the_weights(tiny_model):

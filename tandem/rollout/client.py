@@ -218,12 +218,12 @@ class RolloutClient:
 
             def request():
                 # A server replaced since the last call would hold a request that needs a version
-                # only a push gives back. Under several processes, the rank that pushes may meet it
-                # first with a request that succeeds, and so never notice, while a rank that noticed
-                # (and pushes nothing) waits on the version (seen with FSDP on a slow machine). So
-                # each generate call first asks which process answers, and resyncs a new one.
-                self._check_restart(url, self._instances.get(url), 0.0)
-                return self._call("POST", url, "/generate", "a generate request", json=body)
+                # only a push gives back. Under several processes, the rank that pushes may reach
+                # the new process first, and would never notice, while a rank that noticed (and
+                # pushes nothing) waits on the version (FSDP, in CI twice: a health check before
+                # the request left a window). So the request names the process it is for, and
+                # another one refuses it at once: a refusal that _call turns into a resync.
+                return self._call("POST", url, "/generate", "a generate request", json={**body, "instance_id": self._instances.get(url)})
 
             out = self._retrying(request)["completions"]
             if len(out) != hi - lo:

@@ -29,6 +29,9 @@ class GenerateRequest(_Strict):
     seeds: list[int] = Field(..., description="One seed per completion, len(prompts) * n, prompt-major.")
     min_version: int = Field(0, ge=0, description="Generate only with weights of at least this policy version.")
     version_timeout: float = Field(0.0, ge=0, le=3600, description="Seconds to wait for min_version to go live.")
+    instance_id: str | None = Field(
+        None, max_length=64, description="The server process the client synced (GET /health): another one refuses the request (409), as it lost that process's weights."
+    )
 
 
 class CompletionOut(BaseModel):

@@ -22,7 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem.rollout import protocol as P
-from tandem.rollout.serving import Busy, EngineFailure, HeldByAnotherRun, NotReady, RolloutService, TooLarge, UnknownUpdate, VersionConflict
+from tandem.rollout.serving import (
+    Busy, EngineFailure, HeldByAnotherRun, NotReady, OtherProcess, RolloutService, TooLarge, UnknownUpdate, VersionConflict,
+)  # fmt: skip
 from tandem.rollout.types import SamplingParams
 from tandem.rollout.weights import host_id, open_sealed_memfd, parse_safetensors
 
@@ -142,7 +144,7 @@ def build_app(
 
 def _error_bodies(app: FastAPI) -> None:
     """Every error answers {"error": message}, with the status its kind calls for."""
-    errors = {NotReady: 503, Busy: 503, VersionConflict: 409, HeldByAnotherRun: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400, EngineFailure: 500}
+    errors = {NotReady: 503, Busy: 503, VersionConflict: 409, OtherProcess: 409, HeldByAnotherRun: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400, EngineFailure: 500}
     for exc_type, status in errors.items():
         app.add_exception_handler(exc_type, lambda request, exc, status=status: JSONResponse({"error": str(exc).strip("'\"")}, status))
 
@@ -192,12 +194,12 @@ def _generation_routes(service: RolloutService) -> APIRouter:
     @router.post(
         "/generate",
         response_model=P.GenerateResponse,
-        responses=_responses(_AUTH, _BODY, _ENGINE, {409: "min_version not live within version_timeout", 500: "the engine failed",
+        responses=_responses(_AUTH, _BODY, _ENGINE, {409: "min_version not live within version_timeout, or instance_id names another process", 500: "the engine failed",
                                                     503: "still loading, or too many requests wait for a version"}),
     )  # fmt: skip
     async def generate(req: P.GenerateRequest):
         params = SamplingParams(**req.sampling.model_dump())
-        results = await service.generate(req.prompts, req.n, params, req.seeds, req.min_version, req.version_timeout)
+        results = await service.generate(req.prompts, req.n, params, req.seeds, req.min_version, req.version_timeout, req.instance_id)
         return P.GenerateResponse(
             completions=[
                 P.CompletionOut(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason, version=c.version) for c in results

@@ -27,6 +27,10 @@ class VersionConflict(RuntimeError):
     """A version the server cannot serve or accept."""
 
 
+class OtherProcess(RuntimeError):
+    """A request meant for another process of this server: the one its client synced is gone."""
+
+
 class UnknownUpdate(KeyError):
     """A weight-update id the server does not hold."""
 
@@ -182,11 +186,17 @@ class RolloutService:
     # ------------------------------------------------------------------ generation
 
     async def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], min_version: int, version_timeout: float
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], min_version: int, version_timeout: float,
+        instance_id: str | None = None,
     ) -> list[Completion]:
         """Completions (prompt-major, n per prompt), each stating the version that generated it.
         Waiting for min_version and for the engine holds no thread: a crowd of waiting requests
-        cannot stall health checks or weight updates."""
+        cannot stall health checks or weight updates. `instance_id`: the process the client
+        synced; another one refuses at once, where it would wait for a version only that
+        client's resync can give it."""
+        if instance_id is not None and instance_id != self.instance_id:
+            raise OtherProcess(f"this request is for the server process {instance_id}, but this is {self.instance_id}: the server restarted "
+                               "and holds none of the weights that process was given; sync it again (GET /health names the process)")  # fmt: skip
         self._need_engine()
         if self._broken:
             raise EngineFailure(self._broken)
