@@ -137,3 +137,20 @@ def test_the_preallocated_decode_cache_decodes_what_transformers_cache_does(engi
     for a, b in zip(ours, theirs):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+
+
+def test_large_linears_decode_through_onednn_to_the_same_tokens(engine, monkeypatch):
+    # The tiny model's weights are under the size that decodes through oneDNN; with the bar at
+    # 0 every linear layer does. The tokens stay, the log-probs move by float rounding only.
+    base, _ = engine
+    params = SamplingParams(max_tokens=16, temperature=0.8)
+    prompts, seeds = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3, list(range(6))
+    blas = base.generate(prompts, params, seeds)
+    monkeypatch.setattr(engine_module, "ONEDNN_MIN_WEIGHT", 0)
+    with torch.profiler.profile() as prof:
+        onednn = base.generate(prompts, params, seeds)
+    ops = {event.key for event in prof.key_averages()}
+    assert "mkldnn::_linear_pointwise" in ops and "aten::mm" not in ops and "aten::addmm" not in ops
+    for a, b in zip(blas, onednn):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
