@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from tandem import linears
 from tandem.rollout import engine as engine_module
 from tandem.rollout.engine import TransformersEngine
 from tandem.rollout.sampling import filter_logits, sample
@@ -139,18 +140,22 @@ def test_the_preallocated_decode_cache_decodes_what_transformers_cache_does(engi
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
 
 
-def test_large_linears_decode_through_onednn_to_the_same_tokens(engine, monkeypatch):
+@pytest.mark.parametrize("pack", [False, True])
+def test_large_linears_decode_through_onednn_to_the_same_tokens(engine, monkeypatch, pack):
     # The tiny model's weights are under the size that decodes through oneDNN; with the bar at
-    # 0 every linear layer does. The tokens stay, the log-probs move by float rounding only.
+    # 0 every linear layer does (with `pack`, from weights packed for it once). The tokens stay,
+    # the log-probs move by float rounding only.
     base, _ = engine
     params = SamplingParams(max_tokens=16, temperature=0.8)
     prompts, seeds = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3, list(range(6))
     blas = base.generate(prompts, params, seeds)
-    monkeypatch.setattr(engine_module, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(linears, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(engine_module, "PACK_MIN_TOKENS", 0 if pack else 10**9)
     with torch.profiler.profile() as prof:
         onednn = base.generate(prompts, params, seeds)
     ops = {event.key for event in prof.key_averages()}
     assert "mkldnn::_linear_pointwise" in ops and "aten::mm" not in ops and "aten::addmm" not in ops
+    assert ("mkldnn::_reorder_linear_weight" in ops) == pack
     for a, b in zip(blas, onednn):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

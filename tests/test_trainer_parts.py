@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tandem import linears
 from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import latest_checkpoint
@@ -164,12 +165,15 @@ def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):
     return sum(saved), loss.detach(), {n: p.grad.clone() for n, p in params.items()}
 
 
-@pytest.mark.parametrize("plain", [True, False])
-def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(monkeypatch, plain):
+@pytest.mark.parametrize("plain, onednn", [(True, False), (False, False), (True, True)])
+def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(monkeypatch, plain, onednn):
     # A vocabulary of 1000 in chunks of 16 tokens, 50 tokens, a head with a bias, temperature 0.7;
     # a plain Linear (its backward written out) or one whose forward is replaced, as an fp32 head
-    # or an adapter is (its backward through autograd).
+    # or an adapter is (its backward through autograd). `onednn`: the head's weight counts as
+    # large, so its chunks' matmuls without gradients go through oneDNN (tandem.linears).
     monkeypatch.setattr(head_module, "HEAD_CHUNK_BYTES", 16 * 4 * 1000)
+    if onednn:
+        monkeypatch.setattr(linears, "ONEDNN_MIN_WEIGHT", 0)
     assert head_module.chunk_tokens(1000) == 16
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(32, 1000)
@@ -197,7 +201,9 @@ def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(mo
     with torch.no_grad():  # each token's log-prob and entropy (the losses' sums cancel too much to compare)
         logits = head(hidden).unsqueeze(0)
         want = torch.stack([token_logprobs(logits, tokens[None], 0.7)[0], entropy_from_logits(logits, 0.7)[0]])  # (2, 50)
-        values = torch.stack(head_logprobs(head, hidden, tokens, 0.7, with_entropy=True))  # (2, 50)
+        with torch.profiler.profile() as prof:
+            values = torch.stack(head_logprobs(head, hidden, tokens, 0.7, with_entropy=True))  # (2, 50)
+    assert ("mkldnn::_linear_pointwise" in {event.key for event in prof.key_averages()}) == onednn
     assert (values - want).abs().max() <= 1e-6 * want.abs().max()
     # Through autograd each chunk's weight gradient is a tensor of its own, summed one by one in
     # fp32: measured up to 1.2e-6 relative (where the memory lies changes the kernels' rounding).

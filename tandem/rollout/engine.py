@@ -1,13 +1,12 @@
 """Generation engines behind one small interface. The transformers engine comes first."""
 
-import contextlib
 from typing import Callable, Protocol
 
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from tandem.algo import token_logprobs
+from tandem.linears import fast_linears
 from tandem.rollout.sampling import apply_repetition_penalty, filter_logits, sample
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import check_weights, fingerprint
@@ -118,34 +117,9 @@ def decode_cache(config, capacity: int) -> Cache:
     return Cache(layers=[_GrowingLayer(capacity) for _ in cache.layers])
 
 
-# Weights of at least this many elements decode through oneDNN (below). Under it the BLAS
-# matmul is as fast or faster (a 512x512 weight: 78 against 71 us for 8 rows), and the test
-# models (at most 256x1024) keep the numerics their recordings hold.
-ONEDNN_MIN_WEIGHT = 2**19
-
-
-class _OneDNNLinear(TorchFunctionMode):
-    """Large fp32 linear layers through oneDNN's matmul, where F.linear on a CPU calls the BLAS
-    one (MKL): decoding feeds them a few rows at a time, which oneDNN runs 2-4x faster (on an
-    AMD EPYC with AVX-512: 26 against 105 ms for the 151,936-wide output layer with 8 rows;
-    docs/benchmarks.md), equal to float rounding. Without gradients only: the op has no backward."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and len(args) >= 2 and not torch.is_grad_enabled():
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (type(x) is torch.Tensor and type(w) in (torch.Tensor, torch.nn.Parameter) and x.dtype == w.dtype == torch.float32
-                    and x.device.type == w.device.type == "cpu" and w.numel() >= ONEDNN_MIN_WEIGHT):  # fmt: skip
-                return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-        return func(*args, **kwargs)
-
-
-def _fast_linears(device: torch.device):
-    """The context a decode runs in: _OneDNNLinear on a CPU with oneDNN, nothing otherwise."""
-    if device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return _OneDNNLinear()
-    return contextlib.nullcontext()
+# Decoding at least this many tokens packs the large weights for oneDNN first (tandem.linears):
+# at the Qwen2.5-0.5B shape packing takes about 1 s, what about 22 decode steps of 8 rows save.
+PACK_MIN_TOKENS = 64
 
 
 class TransformersEngine:
@@ -218,7 +192,7 @@ class TransformersEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with _fast_linears(self.device):
+            with fast_linears(self.device, pack=params.max_tokens >= PACK_MIN_TOKENS):
                 return self._generate(prompts, params, seeds)
         finally:
             self.model.train(was_training)

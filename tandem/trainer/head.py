@@ -12,6 +12,8 @@ them, one chunk at a time. The results are today's computation's up to float rou
 import torch
 from torch import nn
 
+from tandem.linears import fast_linears
+
 # The fp32 logits of one chunk: 64 MiB, 110 tokens of a 151,936-token vocabulary (a few such
 # buffers live at once: logits, softmax, their gradient). Not tuned: other sizes were not measured.
 HEAD_CHUNK_BYTES = 64 << 20
@@ -44,10 +46,11 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.save_for_backward(hidden, tokens, *params)
         step = chunk_tokens(_vocab(head))
         logps, entropies = [], []
-        for s in range(0, len(hidden), step):
-            lp, ent = _chunk(head, hidden[s : s + step], tokens[s : s + step], temperature, with_entropy)
-            logps.append(lp)
-            entropies.append(ent)
+        with fast_linears(hidden.device):
+            for s in range(0, len(hidden), step):
+                lp, ent = _chunk(head, hidden[s : s + step], tokens[s : s + step], temperature, with_entropy)
+                logps.append(lp)
+                entropies.append(ent)
         logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)  # (T,)
         entropy = torch.cat(entropies) if with_entropy and entropies else torch.zeros_like(logp)  # (T,)
         if not entropy_grad:
@@ -67,7 +70,8 @@ class _ChunkedHead(torch.autograd.Function):
             h, tok, g_lp = hidden[s : s + step], tokens[s : s + step], grad_logp[s : s + step]
             g_ent = grad_entropy[s : s + step] if entropy_grad else None
             if plain:
-                grad_hidden[s : s + step] = _linear_backward(ctx.head, h, tok, g_lp, g_ent, ctx.temperature, grad_params)
+                with fast_linears(hidden.device):
+                    grad_hidden[s : s + step] = _linear_backward(ctx.head, h, tok, g_lp, g_ent, ctx.temperature, grad_params)
                 continue
             with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                 h = h.detach().requires_grad_()
