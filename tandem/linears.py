@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Weights of at least this many elements go through oneDNN. Under it the BLAS matmul is as fast
 # or faster (a 512x512 weight: 78 against 71 us for 8 rows, 22 against 36 us at 256x256), and
@@ -25,7 +26,9 @@ class OneDNNLinears(TorchFunctionMode):
     def __init__(self, pack: bool = False):
         super().__init__()
         self.pack = pack
-        self.packed: dict[tuple[int, int, int], torch.Tensor] = {}
+        # weight -> (its storage and version when packed, the packed copy); an entry goes with its
+        # weight, and a weight whose storage or values changed is packed again in its place.
+        self.packed = WeakIdKeyDictionary()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -36,10 +39,11 @@ class OneDNNLinears(TorchFunctionMode):
             if (type(x) is torch.Tensor and type(w) in (torch.Tensor, torch.nn.Parameter) and x.dtype == w.dtype == torch.float32
                     and x.device.type == w.device.type == "cpu" and w.numel() >= ONEDNN_MIN_WEIGHT):  # fmt: skip
                 if self.pack:
-                    key = (id(w), w.data_ptr(), w._version)  # a weight changed in place is packed again
-                    if key not in self.packed:
-                        self.packed[key] = torch.ops.mkldnn._reorder_linear_weight(w, None)
-                    w = self.packed[key]
+                    state, packed = self.packed.get(w, (None, None))
+                    if state != (w.data_ptr(), w._version):
+                        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+                        self.packed[w] = ((w.data_ptr(), w._version), packed)
+                    w = packed
                 return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
         return func(*args, **kwargs)
 
