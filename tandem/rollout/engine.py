@@ -194,7 +194,7 @@ class TransformersEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with fast_linears(self.device, pack=params.max_tokens >= PACK_MIN_TOKENS and self.all_done is None):
+            with fast_linears(self.model, pack=params.max_tokens >= PACK_MIN_TOKENS and self.all_done is None):
                 return self._generate(prompts, params, seeds)
         finally:
             self.model.train(was_training)

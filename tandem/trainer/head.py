@@ -46,7 +46,7 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.save_for_backward(hidden, tokens, *params)
         step = chunk_tokens(_vocab(head))
         logps, entropies = [], []
-        with fast_linears(hidden.device):
+        with fast_linears(head):
             for s in range(0, len(hidden), step):
                 lp, ent = _chunk(head, hidden[s : s + step], tokens[s : s + step], temperature, with_entropy)
                 logps.append(lp)
@@ -70,7 +70,7 @@ class _ChunkedHead(torch.autograd.Function):
             h, tok, g_lp = hidden[s : s + step], tokens[s : s + step], grad_logp[s : s + step]
             g_ent = grad_entropy[s : s + step] if entropy_grad else None
             if plain:
-                with fast_linears(hidden.device):
+                with fast_linears(ctx.head):
                     grad_hidden[s : s + step] = _linear_backward(ctx.head, h, tok, g_lp, g_ent, ctx.temperature, grad_params)
                 continue
             with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
