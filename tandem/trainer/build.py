@@ -231,6 +231,7 @@ def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad
         reference=config.beta != 0.0 and not config.use_peft,
         lora=lora.LoraOptions(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules, config.lora_modules_to_save,
                               config.model_name_or_path) if config.use_peft else None,  # fmt: skip
+        fused=config.optim == "adamw_torch_fused",
         learning_rate=config.learning_rate,
         betas=(config.adam_beta1, config.adam_beta2),
         weight_decay=config.weight_decay,

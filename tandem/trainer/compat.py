@@ -154,9 +154,10 @@ def _eval_strategy(value, given: dict) -> tuple[dict, str | None]:
 
 
 def _optim(value, given: dict) -> tuple[dict, str | None]:
-    if str(value) in ("adamw_torch", "adamw_torch_fused", "adamw_hf", "OptimizerNames.ADAMW_TORCH"):
-        return {}, None
-    raise Refused(f"optim={value!r}: tandem trains with torch's AdamW (adamw_torch)")
+    name = str(value).removeprefix("OptimizerNames.").lower()  # TrainingArguments may hold the enum
+    if name in ("adamw_torch", "adamw_torch_fused"):
+        return {"optim": name}, None
+    raise Refused(f"optim={value!r}: tandem trains with torch's AdamW (adamw_torch_fused, or adamw_torch)")
 
 
 def _overlong_filter(value, given: dict) -> tuple[dict, str | None]:
@@ -269,7 +270,7 @@ OPTIONS: dict[str, Option] = {
     "adam_beta2": Option(SAME, "AdamW beta2"),
     "adam_epsilon": inert(lambda v: float(v) == 1e-8, "AdamW's epsilon is torch's default, 1e-8", "give adam_epsilon 1e-8"),
     "max_grad_norm": Option(SAME, "gradient clipping"),
-    "optim": Option(MAPPED, "adamw_torch (torch's AdamW) accepted; any other optimizer refused", _optim),
+    "optim": Option(MAPPED, "adamw_torch_fused and adamw_torch (torch's AdamW kernels) kept; any other optimizer refused", _optim),
     "seed": Option(SAME, "every seed of the run"),
     "bf16": Option(SAME, "bf16 mixed precision"),
     "fp16": refuse_if_given("tandem trains in fp32 or bf16: give bf16 true"),

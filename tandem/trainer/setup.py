@@ -93,6 +93,7 @@ class PolicyOptions:
     checkpointing: bool  # gradient_checkpointing
     reference: bool  # a frozen reference model (beta > 0 without LoRA)
     lora: lora.LoraOptions | None  # adapters instead of every weight
+    fused: bool  # optim adamw_torch_fused
     learning_rate: float
     betas: tuple[float, float]
     weight_decay: float
@@ -128,7 +129,8 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
         ref = ref.to(device) if shard is None else shard(ref)  # sharding moves each unit to the device itself
         ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=options.learning_rate, betas=options.betas, weight_decay=options.weight_decay
+        [p for p in model.parameters() if p.requires_grad], lr=options.learning_rate, betas=options.betas, weight_decay=options.weight_decay,
+        fused=options.fused,
     )
     # Stepped by hand once per optimizer step: accelerate's prepared scheduler would step once per process.
     scheduler = get_scheduler(options.lr_scheduler_type, optimizer, num_warmup_steps=options.warmup_steps, num_training_steps=options.max_steps)
