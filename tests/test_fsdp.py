@@ -216,7 +216,7 @@ def test_a_restarted_server_gets_the_staged_weights_back_and_the_run_goes_on(end
         stderr, server = restart_server_mid_run(server, ender, trainer, out, step=2)
     finally:
         server.stop()
-    assert trainer.returncode == 0, stderr[-3000:]
+    assert trainer.returncode == 0, stderr[-20000:]
     assert f"rollout server {server.url} restarted" in stderr
     assert [m["loss"] for m in read(out)] == [m["loss"] for m in read(sharded_sync)]
 

@@ -374,7 +374,7 @@ def test_the_policy_options_for_dropout_and_an_fp32_head(tiny_model):
 
     def policy(**over):
         options = dict(model=str(tiny_model), load_kwargs={}, disable_dropout=False, head_in_fp32=False, checkpointing=False, reference=False, lora=None,
-                       learning_rate=1e-3, betas=(0.9, 0.999), weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0, max_steps=2)  # fmt: skip
+                       fused=False, learning_rate=1e-3, betas=(0.9, 0.999), weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0, max_steps=2)  # fmt: skip
         return build_policy(PolicyOptions(**(options | over)), None, "cpu")[0]
 
     # disable_dropout: every dropout off, LoRA's adapters' included
