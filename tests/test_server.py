@@ -316,6 +316,28 @@ def test_a_generate_request_that_reaches_a_replaced_process_resyncs_it(server, t
         client.close()
 
 
+def test_a_watching_client_resyncs_a_replaced_process_with_no_request_of_its_own(server, tiny_model, caplog):
+    # The same race with several training processes (CI again, FSDP): another process's request
+    # met the new server and waited there for a version only the pushing process has, which
+    # waited on it in a collective and sent the server nothing. The pushing process's client
+    # watches the servers itself. The state, as above: it synced a process that is not the one
+    # answering. Without the watch nothing ever tells it.
+    client = RolloutClient([server.url], api_key=KEY, server_timeout=30)
+    try:
+        client.wait_until_ready()
+        client.push_weights(shifted_weights(tiny_model, 4e-3), version=client.fingerprints()[0]["version"] + 1)
+        client._instances[server.url] = "0" * 32
+        with caplog.at_level(logging.WARNING, logger="tandem"):
+            client.watch(interval=0.05)
+            deadline = time.monotonic() + 30
+            while "restarted" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert f"rollout server {server.url} restarted" in caplog.text and "pushed weights version" in caplog.text
+        assert client._instances[server.url] == call(server, "GET", "/health").json()["instance_id"]
+    finally:
+        client.close()
+
+
 def test_a_push_whose_first_request_reaches_a_restarted_server_gives_it_the_weights(tiny_model):
     server = Server(tiny_model)
     client = RolloutClient([server.url], server_timeout=30)

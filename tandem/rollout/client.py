@@ -16,6 +16,7 @@ from tandem.rollout.weights import StagedWeights, buckets, host_id, safetensors_
 
 log = logging.getLogger("tandem")
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
+WATCH_SECONDS = 2.0  # how often watch() checks each server's process
 
 
 class RolloutServerError(RuntimeError):
@@ -80,6 +81,7 @@ class RolloutClient:
         # is checked like a new server (a LoRA run's base weights, for one).
         self.check_new_process: Callable[[str], None] | None = None
         self.run: dict | None = None  # the run this client pushes for (claim): its id goes with every update
+        self._closed = threading.Event()  # ends watch()'s thread
 
     # ------------------------------------------------------------------ plumbing
 
@@ -124,16 +126,18 @@ class RolloutClient:
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
-    def _check_restart(self, url: str, instance: str | None, down_seconds: float) -> None:
-        """After a failed attempt: raise _Restarted if the server now answers as another process than `instance`."""
+    def _check_restart(self, url: str, instance: str | None, down_seconds: float) -> bool:
+        """After a failed attempt: raise _Restarted if the server now answers as another process than
+        `instance`. Whether it answered as `instance`."""
         if instance is None:
-            return  # not synced yet: nothing to lose
+            return False  # not synced yet: nothing to lose
         try:
             health = self.session.get(url + "/health", timeout=self.timeout).json()
         except (requests.RequestException, ValueError):
-            return  # still down
+            return False  # still down
         if health.get("instance_id") != instance:  # still loading or ready: either way it lost our weights and updates
             raise _Restarted(url, down_seconds)
+        return True
 
     def _resync(self, restarted: _Restarted) -> None:
         """Give a restarted server the last pushed weights and version (once, whoever notices first)."""
@@ -321,8 +325,32 @@ class RolloutClient:
             self._same_host[url] = info["host_id"] == host_id() and shm_available()
         return self._same_host[url]
 
+    def watch(self, interval: float = WATCH_SECONDS) -> None:
+        """Check every server's process every `interval` seconds in a thread of its own, and resync
+        one that restarted. For the process that pushes when several train: a restart another
+        process's request ran into leaves that process waiting on the server for a version only
+        this one can push, and this one waiting on it in a collective, calling no server."""
+
+        def check(url: str, seen: float) -> float:
+            """When `url`'s synced process last answered: now, or `seen` if it did not."""
+            try:
+                if self._retrying(lambda: self._check_restart(url, self._instances.get(url), time.monotonic() - seen)):
+                    return time.monotonic()
+            except RolloutServerError as exc:  # down again mid-resync: the next check, or a request, meets it
+                log.warning(f"rollout server {url}: resync failed: {exc}")
+            return seen
+
+        def loop() -> None:
+            seen = dict.fromkeys(self.urls, time.monotonic())  # url -> when its process last answered as synced
+            while not self._closed.wait(interval):
+                for url in self.urls:
+                    seen[url] = check(url, seen[url])
+
+        threading.Thread(target=loop, name="tandem-server-watch", daemon=True).start()
+
     def close(self) -> None:
-        """Nothing to wait for: a request still in flight ends with its daemon thread."""
+        """Ends the watch; nothing else to wait for: a request still in flight ends with its daemon thread."""
+        self._closed.set()
 
 
 def _settle(future: Future, fn, item) -> None:

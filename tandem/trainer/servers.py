@@ -34,7 +34,7 @@ class Servers:
         """Wait for every server to be ready and check it can serve this tokenizer's vocabulary.
         `share_cores` (async mode): training overlaps generation, so the trainer leaves the
         cores of servers on this host free (in sync mode the two take turns)."""
-        self.options = options
+        self.options, self.world = options, world
         self.client = RolloutClient(
             options.urls,
             api_key=options.api_key,
@@ -75,6 +75,8 @@ class Servers:
         mine = fingerprint(policy)
         if any(fp.get(self._key) != mine or fp["version"] != version for fp in served):
             self.engine.push(policy, version=version, force=True, adapter=self.options.adapters)
+        if self.world > 1:  # another process's request may be the one that meets a restart
+            self.client.watch()
 
     def push(self, policy: Named, version: int) -> None:
         """Rank 0: make `version` live on every server, checked when verify_weight_sync."""
