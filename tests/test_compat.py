@@ -61,7 +61,7 @@ def test_the_same_options_keep_trls_default(name):
         "model_init_kwargs": None, "trust_remote_code": False, "scale_rewards": "group", "gradient_accumulation_steps": 1,
         "per_device_train_batch_size": 8, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "max_grad_norm": 1.0,
         "warmup_ratio": 0.0, "seed": 42, "save_total_limit": None, "ddp_timeout": 1800.0, "lr_scheduler_type": "linear",
-        "max_tool_calling_iterations": None,
+        "max_tool_calling_iterations": None, "optim": "adamw_torch_fused",
     }  # fmt: skip
     if name not in trl_defaults:
         pytest.skip(f"{name}: a TrainingArguments option whose default is the run's own (output_dir, max_steps, ...)")
@@ -135,6 +135,7 @@ def test_a_trl_config_runs_as_it_is_with_what_was_mapped_listed(tmp_path):
         ("generation_kwargs: {top_p: 0.9, stop: ['x']}", "['stop'] have no tandem equivalent"),
         ("multi_objective_aggregation: normalize_then_sum", "normalize_then_sum (GDPO) is not built"),
         ("push_to_hub: true", "tandem does not upload to the hub"),
+        ("optim: adafactor", "optim='adafactor': must be one of ('adamw_torch_fused', 'adamw_torch')"),
         ("vllm_server_base_url: http://a:1\nrollout_server_urls: [http://b:2]", "rollout_server_urls is given twice"),
     ],
 )

@@ -153,13 +153,6 @@ def _eval_strategy(value, given: dict) -> tuple[dict, str | None]:
     raise Refused(f"eval_strategy={value!r}: tandem evaluates every eval_steps steps with an eval_dataset (eval_strategy steps)")
 
 
-def _optim(value, given: dict) -> tuple[dict, str | None]:
-    name = str(value).removeprefix("OptimizerNames.").lower()  # TrainingArguments may hold the enum
-    if name in ("adamw_torch", "adamw_torch_fused"):
-        return {"optim": name}, None
-    raise Refused(f"optim={value!r}: tandem trains with torch's AdamW (adamw_torch_fused, or adamw_torch)")
-
-
 def _overlong_filter(value, given: dict) -> tuple[dict, str | None]:
     return {"mask_truncated_completions": _bool(value)}, None
 
@@ -270,7 +263,7 @@ OPTIONS: dict[str, Option] = {
     "adam_beta2": Option(SAME, "AdamW beta2"),
     "adam_epsilon": inert(lambda v: float(v) == 1e-8, "AdamW's epsilon is torch's default, 1e-8", "give adam_epsilon 1e-8"),
     "max_grad_norm": Option(SAME, "gradient clipping"),
-    "optim": Option(MAPPED, "adamw_torch_fused and adamw_torch (torch's AdamW kernels) kept; any other optimizer refused", _optim),
+    "optim": Option(SAME, "AdamW's kernel: adamw_torch_fused or adamw_torch; any other optimizer refused"),
     "seed": Option(SAME, "every seed of the run"),
     "bf16": Option(SAME, "bf16 mixed precision"),
     "fp16": refuse_if_given("tandem trains in fp32 or bf16: give bf16 true"),
