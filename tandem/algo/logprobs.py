@@ -3,6 +3,12 @@
 import torch
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature; at temperature 1 the logits themselves, the same values without a
+    pass over (N, V) of them (a decode step's 151,936-wide rows, the output layer's chunks)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[..., index] without materialising the full (N, T, V) log-probs.
 
@@ -23,10 +29,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return selective_log_softmax(logits / temperature, tokens)
+    return selective_log_softmax(scaled(logits, temperature), tokens)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position. logits: (N, T, V) -> (N, T)"""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, T, V)
+    logp = torch.log_softmax(scaled(logits.float(), temperature), dim=-1)  # (N, T, V)
     return -(logp.exp() * logp).sum(-1)  # (N, T)

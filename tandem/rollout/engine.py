@@ -5,7 +5,7 @@ from typing import Callable, Protocol
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from tandem.algo import token_logprobs
+from tandem.algo import scaled, token_logprobs
 from tandem.linears import fast_linears
 from tandem.rollout.sampling import apply_repetition_penalty, filter_logits, sample
 from tandem.rollout.types import Completion, SamplingParams
@@ -260,7 +260,7 @@ class TransformersEngine:
         finished_by_eos = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
         done = torch.zeros(n, dtype=torch.bool, device=device)  # (M,)
         for step in range(params.max_tokens):
-            scores = apply_repetition_penalty(logits, seen, params.repetition_penalty) / params.temperature
+            scores = scaled(apply_repetition_penalty(logits, seen, params.repetition_penalty), params.temperature)
             scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)
             tok = sample(scores, generators)  # (M,)
             tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)

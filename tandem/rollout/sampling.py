@@ -1,5 +1,8 @@
 """Logits processing and reproducible per-sequence sampling."""
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -51,5 +54,31 @@ def sample(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Ten
     its seed and its logits, not on which other sequences share the batch.
     """
     probs = torch.softmax(logits.float(), dim=-1)  # (N, V)
-    noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])  # (N, V)
+    noise = exponential_noise(probs.shape[-1], generators)  # (N, V)
     return torch.argmax(probs / noise.to(probs.device), dim=-1)  # (N,)
+
+
+def exponential_noise(width: int, generators: list[torch.Generator]) -> torch.Tensor:
+    """Row i: `width` draws of Exp(1) from generators[i]. (N, width) on the CPU.
+
+    torch draws them one at a time on one core (19 ns each, here: 23 ms of a 172 ms decode step
+    of 8 rows at the Qwen2.5-0.5B shape's vocabulary of 151,936), so the rows are split among as
+    many threads as torch computes with; each row's values are its generator's whichever thread
+    draws them."""
+    noise = torch.empty((len(generators), width))
+    workers = min(torch.get_num_threads(), len(generators))
+
+    def draw(first: int) -> None:
+        for i in range(first, len(generators), workers):
+            noise[i].exponential_(generator=generators[i])
+
+    if workers <= 1:
+        draw(0)
+    else:
+        list(_pool(workers).map(draw, range(workers)))
+    return noise
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="tandem-noise")

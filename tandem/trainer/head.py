@@ -12,6 +12,7 @@ them, one chunk at a time. The results are today's computation's up to float rou
 import torch
 from torch import nn
 
+from tandem.algo import scaled
 from tandem.linears import fast_linears
 
 # The fp32 logits of one chunk: 64 MiB, 110 tokens of a 151,936-token vocabulary (a few such
@@ -26,7 +27,7 @@ def chunk_tokens(vocab: int) -> int:
 def _chunk(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
     """Log-probs (t,) of `tokens` under softmax(head(hidden) / temperature), and the entropy (t,)
     of that distribution or None; the logits in fp32, as token_logprobs takes them."""
-    scores = head(hidden).float() / temperature  # (t, V)
+    scores = scaled(head(hidden).float(), temperature)  # (t, V)
     chosen = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)  # (t,), as token_logprobs
     if not with_entropy:
         return chosen, None
@@ -95,14 +96,15 @@ def _linear_backward(head: nn.Linear, h, tokens, g_lp, g_ent, temperature: float
     """One chunk's backward through a plain Linear head in fp32, written out: the head's weight
     gradient is added into its total in place (autograd would make a whole weight-sized tensor
     per chunk, 545 MB at a vocabulary of 151,936). Returns the chunk's hidden-state gradient."""
-    logp = torch.log_softmax(torch.nn.functional.linear(h, head.weight, head.bias).float() / temperature, dim=-1)  # (t, V)
+    logp = torch.log_softmax(scaled(torch.nn.functional.linear(h, head.weight, head.bias).float(), temperature), dim=-1)  # (t, V)
     p = logp.exp()
-    g = p * -g_lp.unsqueeze(1)  # d/dz of log p[token]: onehot - p
+    # d/dz of log p[token]: onehot - p (in p's place where the entropy needs no p)
+    g = p * -g_lp.unsqueeze(1) if g_ent is not None else p.mul_(-g_lp.unsqueeze(1))
     g.scatter_add_(1, tokens.unsqueeze(1), g_lp.unsqueeze(1))
     if g_ent is not None:  # d/dz of the entropy H: -p (log p + H)
         entropy = -(p * logp).sum(-1, keepdim=True)
         g -= p * (logp + entropy) * g_ent.unsqueeze(1)
-    g = (g / temperature).to(head.weight.dtype)  # (t, V): the gradient of the logits
+    g = scaled(g, temperature).to(head.weight.dtype)  # (t, V): the gradient of the logits
     trainable = [p for p in (head.weight, head.bias) if p is not None and p.requires_grad]
     for total, param in zip(grad_params, trainable):
         if param is head.weight:
