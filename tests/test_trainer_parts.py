@@ -18,6 +18,7 @@ from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import latest_checkpoint
 from tandem.algo import entropy_from_logits, token_logprobs
 from tandem.trainer import head as head_module
+from tandem.trainer import mlp
 from tandem.trainer.batch import PrefixSharingLM, checkpoint_layers, collate, completion_logprobs, length_buckets
 from tandem.trainer.head import head_logprobs
 
@@ -232,6 +233,36 @@ def test_gradient_checkpointing_keeps_less_for_the_backward_and_changes_no_gradi
     assert torch.equal(ckpt_loss, plain_loss)
     for name, grad in expected.items():
         assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
+
+
+def test_the_chunked_mlp_keeps_less_for_the_backward_and_changes_no_result(tiny_model, monkeypatch):
+    # Chunks of 7 tokens (the tiny model's intermediate size is 256): every micro-batch here is
+    # larger than a chunk, so each layer's MLP runs gated_mlp, with a last chunk shorter than 7.
+    monkeypatch.setattr(mlp, "MLP_CHUNK_BYTES", 7 * 256 * 4)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model)
+    g = torch.Generator().manual_seed(3)
+    mb = collate(_groups_of_rollouts(g), 0, "cpu", False, max_buckets=3, bucket_cost=0)
+    weights = torch.randn(2, *mb.completion_ids.shape, generator=g)
+
+    def run():
+        logp, entropy = completion_logprobs(PrefixSharingLM(lm), mb, 0.9, with_entropy=True, entropy_grad=True)
+        return (logp * weights[0] + entropy * weights[1]).sum()
+
+    params = dict(lm.named_parameters())
+    with torch.no_grad():
+        own = completion_logprobs(PrefixSharingLM(lm), mb, 0.9)[0]
+    plain_bytes, plain_loss, expected = _saved_bytes_and_gradients(params, run)
+    assert mlp.chunk_mlps(lm) == lm.config.num_hidden_layers
+    chunked_bytes, chunked_loss, got = _saved_bytes_and_gradients(params, run)
+    # Each MLP keeps gate(x) and up(x), not their silu and product: 2 of its 4 intermediates.
+    saved_less = plain_bytes - chunked_bytes
+    intermediates = lm.config.num_hidden_layers * lm.config.intermediate_size * 4 * (mb.prompt_ids.numel() + sum(len(r) * w for r, w in mb.buckets))
+    assert saved_less >= intermediates / 2, (saved_less, intermediates)
+    assert (chunked_loss - plain_loss).abs() <= 1e-6 * plain_loss.abs()
+    for name, grad in expected.items():
+        assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
+    with torch.no_grad():  # without gradients every call is the module's own
+        assert torch.equal(completion_logprobs(PrefixSharingLM(lm), mb, 0.9)[0], own)
 
 
 class _FailingTokenizer:

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from tandem.data import DataError, encode_prompt, load_prompt_dataset
 from tandem.rollout.weights import host_id
 from tandem.trainer.batch import PrefixSharingLM, checkpoint_layers
+from tandem.trainer.mlp import chunk_mlps
 from tandem.trainer import lora
 from tandem.trainer.config import ConfigError
 from tandem.trainer.producer import PromptTable
@@ -121,6 +122,7 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
                 module.p = 0.0
     if options.checkpointing:
         checkpoint_layers(model)
+    chunk_mlps(model)
     if shard is not None:
         model = shard(model)
     ref_model = None

@@ -1,0 +1,95 @@
+"""The gated MLP of Llama-family decoder layers (Qwen2, Qwen3, Llama, Mistral):
+down(silu(gate(x)) * up(x)), with a backward that holds less.
+
+Autograd keeps four activations of tokens x intermediate size for this MLP's backward (gate(x),
+its silu, up(x) and their product) and makes three more there. At the Qwen2.5-0.5B shape and
+8 x 1,024 tokens each is 160 MB: the backward of one layer peaked 0.95 GB above what it
+started with, the largest transient of a training step, so the step's peak. Here the forward
+keeps gate(x) and up(x) only, and the backward runs a chunk of MLP_CHUNK_BYTES' worth of tokens
+at a time, computing each chunk's silu and product again (elementwise, no matmul) and adding its
+weight gradients into their totals. The same computation up to float rounding
+(tests/test_trainer_parts.py compares the gradients within 1e-6).
+
+Only where an activation is larger than one chunk, with gradients and without autocast; every
+other call is the module's own (the test models keep the numerics their recordings hold).
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import activations
+
+# What transformers' "silu" is (its own class in recent releases, torch's before).
+SILU = (nn.SiLU, *[c for c in (getattr(activations, "SiLUActivation", None),) if c is not None])
+
+# One intermediate activation's chunk in the backward: 16 MiB, 862 tokens at an intermediate size
+# of 4,864 (five such buffers live at once).
+MLP_CHUNK_BYTES = 16 << 20
+
+
+def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, chunk: int) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for x (..., H), weights as nn.Linear holds them (no bias), the
+    backward `chunk` tokens at a time."""
+    return _GatedMLP.apply(x, gate, up, down, chunk)
+
+
+class _GatedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate, up, down, chunk):
+        flat = x.reshape(-1, x.shape[-1])  # (T, H)
+        g, u = F.linear(flat, gate), F.linear(flat, up)  # (T, I) each, kept for the backward
+        out = torch.empty((len(flat), down.shape[0]), dtype=x.dtype, device=x.device)  # (T, H)
+        for s in range(0, len(flat), chunk):
+            torch.mm(F.silu(g[s : s + chunk]) * u[s : s + chunk], down.T, out=out[s : s + chunk])
+        ctx.chunk = chunk
+        ctx.save_for_backward(x, g, u, gate, up, down)
+        return out.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, g, u, gate, up, down = ctx.saved_tensors
+        flat, grad_out = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])  # (T, H)
+        need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
+        grad_x = torch.empty_like(flat) if need_x else None
+        grad_gate, grad_up, grad_down = (torch.zeros_like(w) if need else None for w, need in ((gate, need_gate), (up, need_up), (down, need_down)))
+        for s in range(0, len(flat), ctx.chunk):
+            xc, gc, uc, go = flat[s : s + ctx.chunk], g[s : s + ctx.chunk], u[s : s + ctx.chunk], grad_out[s : s + ctx.chunk]
+            act = F.silu(gc)  # (t, I)
+            if need_down:
+                grad_down.addmm_(go.T, act * uc)
+            grad_prod = go @ down  # (t, I): the gradient of silu(g) * u
+            grad_u = grad_prod * act
+            grad_g = torch.ops.aten.silu_backward(grad_prod.mul_(uc), gc)
+            if need_up:
+                grad_up.addmm_(grad_u.T, xc)
+            if need_gate:
+                grad_gate.addmm_(grad_g.T, xc)
+            if need_x:
+                torch.addmm(grad_u @ up, grad_g, gate, out=grad_x[s : s + ctx.chunk])
+        return (grad_x.view_as(x) if need_x else None), grad_gate, grad_up, grad_down, None
+
+
+def chunk_mlps(model: nn.Module) -> int:
+    """Give every gated MLP of `model` whose projections are plain bias-free nn.Linear layers and
+    whose activation is SiLU (not LoRA's adapted layers) the backward above. Returns how many."""
+    mlps = [m for m in model.modules() if _gated(m)]
+    for mlp in mlps:
+        mlp.forward = functools.partial(_forward, mlp, mlp.forward)
+    return len(mlps)
+
+
+def _gated(m: nn.Module) -> bool:
+    linears = [getattr(m, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return all(type(lin) is nn.Linear and lin.bias is None for lin in linears) and type(getattr(m, "act_fn", None)) in SILU
+
+
+def _forward(mlp: nn.Module, own, x: torch.Tensor) -> torch.Tensor:
+    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    chunk = max(1, MLP_CHUNK_BYTES // (weights[0].shape[0] * x.element_size()))
+    large = x.numel() // x.shape[-1] > chunk
+    trained = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+    if not (large and trained) or torch.is_autocast_enabled(x.device.type):
+        return own(x)
+    return gated_mlp(x, *weights, chunk)
