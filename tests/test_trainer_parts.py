@@ -215,9 +215,11 @@ def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(mo
     assert not head_logprobs(head, hidden, tokens, 0.7, with_entropy=True)[1].requires_grad
 
 
-def test_gradient_checkpointing_keeps_less_for_the_backward_and_changes_no_gradient(tiny_model):
+def _model_and_loss(tiny_model, seed: int):
+    """The tiny model, a micro-batch of three length buckets, and a loss over it that weighs each
+    token's log-prob and entropy differently."""
     lm = AutoModelForCausalLM.from_pretrained(tiny_model)
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     mb = collate(_groups_of_rollouts(g), 0, "cpu", False, max_buckets=3, bucket_cost=0)
     weights = torch.randn(2, *mb.completion_ids.shape, generator=g)
 
@@ -225,6 +227,11 @@ def test_gradient_checkpointing_keeps_less_for_the_backward_and_changes_no_gradi
         logp, entropy = completion_logprobs(PrefixSharingLM(lm), mb, 0.9, with_entropy=True, entropy_grad=True)
         return (logp * weights[0] + entropy * weights[1]).sum()
 
+    return lm, mb, run
+
+
+def test_gradient_checkpointing_keeps_less_for_the_backward_and_changes_no_gradient(tiny_model):
+    lm, mb, run = _model_and_loss(tiny_model, 2)
     params = dict(lm.named_parameters())
     plain_bytes, plain_loss, expected = _saved_bytes_and_gradients(params, run)
     assert checkpoint_layers(lm) == lm.config.num_hidden_layers
@@ -239,15 +246,7 @@ def test_the_chunked_mlp_keeps_less_for_the_backward_and_changes_no_result(tiny_
     # Chunks of 7 tokens (the tiny model's intermediate size is 256): every micro-batch here is
     # larger than a chunk, so each layer's MLP runs gated_mlp, with a last chunk shorter than 7.
     monkeypatch.setattr(mlp, "MLP_CHUNK_BYTES", 7 * 256 * 4)
-    lm = AutoModelForCausalLM.from_pretrained(tiny_model)
-    g = torch.Generator().manual_seed(3)
-    mb = collate(_groups_of_rollouts(g), 0, "cpu", False, max_buckets=3, bucket_cost=0)
-    weights = torch.randn(2, *mb.completion_ids.shape, generator=g)
-
-    def run():
-        logp, entropy = completion_logprobs(PrefixSharingLM(lm), mb, 0.9, with_entropy=True, entropy_grad=True)
-        return (logp * weights[0] + entropy * weights[1]).sum()
-
+    lm, mb, run = _model_and_loss(tiny_model, 3)
     params = dict(lm.named_parameters())
     with torch.no_grad():
         own = completion_logprobs(PrefixSharingLM(lm), mb, 0.9)[0]
