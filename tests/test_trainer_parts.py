@@ -180,7 +180,7 @@ def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(mo
     head = torch.nn.Linear(32, 1000)
     if not plain:
         head.forward = lambda x: torch.nn.functional.linear(x, head.weight, head.bias)
-    assert head_module._plain_linear(head) == plain
+    assert head_module.plain_linear(head) == plain
     hidden = torch.randn(50, 32, generator=g).requires_grad_()
     params = {"hidden": hidden, **dict(head.named_parameters())}
     tokens = torch.randint(0, 1000, (50,), generator=g)

@@ -66,7 +66,7 @@ class _ChunkedHead(torch.autograd.Function):
         hidden, tokens, *params = ctx.saved_tensors
         device, enabled, dtype = ctx.autocast
         entropy_grad = ctx.with_entropy and grad_entropy is not None
-        plain = _plain_linear(ctx.head) and not enabled
+        plain = plain_linear(ctx.head) and not enabled
         grad_hidden = torch.zeros_like(hidden)
         grad_params = [torch.zeros_like(p) for p in params]
         step = chunk_tokens(_vocab(ctx.head))
@@ -89,7 +89,7 @@ class _ChunkedHead(torch.autograd.Function):
         return (grad_hidden, None, None, None, None, None, *grad_params)
 
 
-def _plain_linear(head: nn.Module) -> bool:
+def plain_linear(head: nn.Module) -> bool:
     """An nn.Linear computing as nn.Linear does (not an fp32 head's patched forward, not an
     adapter), with its weight and bias the only trainable parameters."""
     return type(head) is nn.Linear and "forward" not in vars(head)

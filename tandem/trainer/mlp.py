@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import activations
 
+from tandem.trainer.head import plain_linear
+
 # What transformers' "silu" is (its own class in recent releases, torch's before).
 SILU = (nn.SiLU, *[c for c in (getattr(activations, "SiLUActivation", None),) if c is not None])
 
@@ -72,8 +74,8 @@ class _GatedMLP(torch.autograd.Function):
 
 
 def chunk_mlps(model: nn.Module) -> int:
-    """Give every gated MLP of `model` whose projections are plain bias-free nn.Linear layers and
-    whose activation is SiLU (not LoRA's adapted layers) the backward above. Returns how many."""
+    """Give every gated MLP of `model` whose projections are plain bias-free nn.Linear layers (none
+    with a forward of its own) and whose activation is SiLU (not LoRA's adapted layers) the backward above. Returns how many."""
     mlps = [m for m in model.modules() if _gated(m)]
     for mlp in mlps:
         mlp.forward = functools.partial(_forward, mlp, mlp.forward)
@@ -82,7 +84,8 @@ def chunk_mlps(model: nn.Module) -> int:
 
 def _gated(m: nn.Module) -> bool:
     linears = [getattr(m, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    return all(type(lin) is nn.Linear and lin.bias is None for lin in linears) and type(getattr(m, "act_fn", None)) in SILU
+    act = getattr(m, "act_fn", None)
+    return all(plain_linear(lin) and lin.bias is None for lin in linears) and type(act) in SILU and "forward" not in vars(act)
 
 
 def _forward(mlp: nn.Module, own, x: torch.Tensor) -> torch.Tensor:
