@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from tandem import linears
@@ -17,6 +19,7 @@ from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import latest_checkpoint
 from tandem.algo import entropy_from_logits, token_logprobs
+from tandem.trainer import embedding
 from tandem.trainer import head as head_module
 from tandem.trainer import mlp
 from tandem.trainer.batch import PrefixSharingLM, checkpoint_layers, collate, completion_logprobs, length_buckets
@@ -166,6 +169,24 @@ def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):
     return sum(saved), loss.detach(), {n: p.grad.clone() for n, p in params.items()}
 
 
+class _Ops(TorchDispatchMode):
+    """Records the operations run while active: each one's name and the shapes of the dense
+    tensors it makes (none for one that writes into a tensor it was given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.run = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [] if func._schema.is_mutable else [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.run.append((str(func), [t.shape for t in tensors if t.layout == torch.strided]))
+        return out
+
+    def made(self, shape) -> int:
+        return sum(s == shape for _, shapes in self.run for s in shapes)
+
+
 @pytest.mark.parametrize("plain, onednn", [(True, False), (False, False), (True, True)])
 def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(monkeypatch, plain, onednn):
     # A vocabulary of 1000 in chunks of 16 tokens, 50 tokens, a head with a bias, temperature 0.7;
@@ -215,6 +236,32 @@ def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(mo
     assert not head_logprobs(head, hidden, tokens, 0.7, with_entropy=True)[1].requires_grad
 
 
+@pytest.mark.parametrize("plain", [True, False])
+def test_an_entropy_kept_as_a_metric_costs_the_output_layers_backward_nothing(plain):
+    # Autograd hands the backward zeros for the entropy, an output it was told has no gradient.
+    # The backward must not compute the entropy's gradient from them: it makes as many
+    # logit-sized tensors (50 tokens x 1,000, one chunk) as without the entropy, fewer than with
+    # an entropy bonus, and the same gradients.
+    g = torch.Generator().manual_seed(1)
+    head = torch.nn.Linear(32, 1000)
+    if not plain:
+        head.forward = lambda x: torch.nn.functional.linear(x, head.weight, head.bias)
+    hidden = torch.randn(50, 32, generator=g).requires_grad_()
+    tokens = torch.randint(0, 1000, (50,), generator=g)
+
+    def backward(with_entropy, entropy_grad=False):
+        hidden.grad = head.weight.grad = head.bias.grad = None
+        logp, entropy = head_logprobs(head, hidden, tokens, 0.7, with_entropy, entropy_grad)
+        assert (entropy > 0).all() == with_entropy  # computed only when asked
+        with _Ops() as ops:
+            (logp.sum() + (entropy.sum() if entropy_grad else 0.0)).backward()
+        return ops.made((50, 1000)), [t.grad.clone() for t in (hidden, head.weight, head.bias)]
+
+    (made, grads), (metric_made, metric_grads), (bonus_made, _) = backward(False), backward(True), backward(True, True)
+    assert metric_made == made < bonus_made, (made, metric_made, bonus_made)
+    assert all(torch.equal(a, b) for a, b in zip(metric_grads, grads))
+
+
 def _model_and_loss(tiny_model, seed: int):
     """The tiny model, a micro-batch of three length buckets, and a loss over it that weighs each
     token's log-prob and entropy differently."""
@@ -262,6 +309,34 @@ def test_the_chunked_mlp_keeps_less_for_the_backward_and_changes_no_result(tiny_
         assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
     with torch.no_grad():  # without gradients every call is the module's own
         assert torch.equal(completion_logprobs(PrefixSharingLM(lm), mb, 0.9)[0], own)
+
+
+def _tables_and_gradients(lm, run):
+    """How many embedding-table-sized dense tensors the backward of `run` makes, and the gradients."""
+    lm.zero_grad(set_to_none=True)
+    loss = run()
+    with _Ops() as ops:
+        loss.backward()
+    return ops.made(lm.get_input_embeddings().weight.shape), {name: p.grad.clone() for name, p in lm.named_parameters()}
+
+
+def test_a_tied_embedding_adds_a_sparse_gradient_into_the_output_layers(tiny_model, monkeypatch):
+    lm, mb, run = _model_and_loss(tiny_model, 4)
+    assert not embedding.sparse_tied_embedding(lm)  # the tiny model's table is far below EMBEDDING_SPARSE_BYTES
+    plain_tables, expected = _tables_and_gradients(lm, run)
+    monkeypatch.setattr(embedding, "EMBEDDING_SPARSE_BYTES", 0)
+    assert embedding.sparse_tied_embedding(lm)
+    tables, got = _tables_and_gradients(lm, run)
+    weight = lm.get_input_embeddings().weight
+    assert weight.grad.layout == torch.strided
+    for name, grad in expected.items():
+        assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
+    # The one table-sized tensor made is the weight's gradient; autograd makes one per output
+    # layer call and per lookup (the prompts' pass and each bucket's), and their sums.
+    assert tables == 1 and plain_tables > 2, (tables, plain_tables)
+    with torch.no_grad():  # without gradients the module's own call
+        ids = mb.prompt_ids
+        assert torch.equal(lm.get_input_embeddings()(ids), weight[ids])
 
 
 class _FailingTokenizer:

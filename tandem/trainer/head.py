@@ -44,7 +44,7 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, tokens, head, temperature, with_entropy, entropy_grad, *params):
-        ctx.head, ctx.temperature, ctx.with_entropy = head, temperature, with_entropy
+        ctx.head, ctx.temperature, ctx.entropy_grad = head, temperature, with_entropy and entropy_grad
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(hidden, tokens, *params)
@@ -65,10 +65,17 @@ class _ChunkedHead(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, tokens, *params = ctx.saved_tensors
         device, enabled, dtype = ctx.autocast
-        entropy_grad = ctx.with_entropy and grad_entropy is not None
+        # A metric's entropy has no gradient, though autograd hands backward zeros for it: the
+        # flag, not grad_entropy, says whether the entropy's gradient is computed.
+        entropy_grad = ctx.entropy_grad and grad_entropy is not None
         plain = plain_linear(ctx.head) and not enabled
         grad_hidden = torch.zeros_like(hidden)
-        grad_params = [torch.zeros_like(p) for p in params]
+        # Where write_weight_grad asked, the weight's gradient is added into weight.grad itself.
+        direct = plain and getattr(ctx.head, "weight_grad_in_place", False) and ctx.head.weight.requires_grad
+        weight = ctx.head.weight
+        if direct and weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        grad_params = [weight.grad if direct and i == 0 else torch.zeros_like(p) for i, p in enumerate(params)]  # the weight is params[0]
         step = chunk_tokens(_vocab(ctx.head))
         for s in range(0, len(hidden), step):
             h, tok, g_lp = hidden[s : s + step], tokens[s : s + step], grad_logp[s : s + step]
@@ -86,7 +93,16 @@ class _ChunkedHead(torch.autograd.Function):
             for total, g in zip(grad_params, grads[1:]):
                 if g is not None:
                     total += g
-        return (grad_hidden, None, None, None, None, None, *grad_params)
+        return (grad_hidden, None, None, None, None, None, *[None if direct and i == 0 else g for i, g in enumerate(grad_params)])
+
+
+def write_weight_grad(head: nn.Linear) -> None:
+    """From now on, where the backward is the plain Linear's, add the weight's gradient straight
+    into weight.grad and hand autograd none for it. Only for a weight that something else in every
+    forward also uses (embedding.py's tied table): its share then reaches the weight's gradient
+    accumulator alone, which adds it into weight.grad in place. Hooks on the weight see that share
+    only, and DDP's reducer has not been tried with it: one process, unsharded."""
+    head.weight_grad_in_place = True
 
 
 def plain_linear(head: nn.Module) -> bool:

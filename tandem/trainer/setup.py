@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from tandem.data import DataError, encode_prompt, load_prompt_dataset
 from tandem.rollout.weights import host_id
 from tandem.trainer.batch import PrefixSharingLM, checkpoint_layers
+from tandem.trainer.embedding import sparse_tied_embedding
 from tandem.trainer.mlp import chunk_mlps
 from tandem.trainer import lora
 from tandem.trainer.config import ConfigError
@@ -123,6 +124,8 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
     if options.checkpointing:
         checkpoint_layers(model)
     chunk_mlps(model)
+    if shard is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # DDP and FSDP: untried
+        sparse_tied_embedding(model)
     if shard is not None:
         model = shard(model)
     ref_model = None
