@@ -320,7 +320,7 @@ def _tables_and_gradients(lm, run):
     return ops.made(lm.get_input_embeddings().weight.shape), {name: p.grad.clone() for name, p in lm.named_parameters()}
 
 
-def test_a_tied_embedding_adds_a_sparse_gradient_into_the_output_layers(tiny_model, monkeypatch):
+def test_a_tied_embeddings_sparse_gradient_is_added_in_place_into_the_output_layers(tiny_model, monkeypatch):
     lm, mb, run = _model_and_loss(tiny_model, 4)
     assert not embedding.sparse_tied_embedding(lm)  # the tiny model's table is far below EMBEDDING_SPARSE_BYTES
     plain_tables, expected = _tables_and_gradients(lm, run)
@@ -334,6 +334,9 @@ def test_a_tied_embedding_adds_a_sparse_gradient_into_the_output_layers(tiny_mod
     # The one table-sized tensor made is the weight's gradient; autograd makes one per output
     # layer call and per lookup (the prompts' pass and each bucket's), and their sums.
     assert tables == 1 and plain_tables > 2, (tables, plain_tables)
+    run().backward()  # a second micro-batch: both shares add into the gradient already there
+    for name, param in lm.named_parameters():
+        assert (param.grad - 2 * expected[name]).norm() <= 2e-6 * expected[name].norm(), name
     with torch.no_grad():  # without gradients the module's own call
         ids = mb.prompt_ids
         assert torch.equal(lm.get_input_embeddings()(ids), weight[ids])
