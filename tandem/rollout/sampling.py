@@ -55,7 +55,9 @@ def sample(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Ten
     """
     probs = torch.softmax(logits.float(), dim=-1)  # (N, V)
     noise = exponential_noise(probs.shape[-1], generators)  # (N, V)
-    return torch.argmax(probs / noise.to(probs.device), dim=-1)  # (N,)
+    # In place: a new (N, V) tensor is fresh pages to fault in, 7 ms against 0.2 for 8 rows of
+    # 151,936 with the CLI's allocator settings (tandem/cli.py: _return_freed_memory).
+    return torch.argmax(probs.div_(noise.to(probs.device)), dim=-1)  # (N,)
 
 
 def exponential_noise(width: int, generators: list[torch.Generator]) -> torch.Tensor:
