@@ -238,6 +238,7 @@ def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad
         lr_scheduler_type=config.lr_scheduler_type,
         warmup_steps=math.ceil(config.warmup_ratio * config.max_steps),
         max_steps=config.max_steps,
+        sparse_embedding=plan is None and dist.world == 1,
     )
     shard = None if plan is None else lambda m: sharding.shard(m, plan, config.bf16, dist.device)
     model, ref_model, optimizer, scheduler = build_policy(options, resume_dir, dist.device, shard)

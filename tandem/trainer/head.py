@@ -70,12 +70,15 @@ class _ChunkedHead(torch.autograd.Function):
         entropy_grad = ctx.entropy_grad and grad_entropy is not None
         plain = plain_linear(ctx.head) and not enabled
         grad_hidden = torch.zeros_like(hidden)
-        # Where write_weight_grad asked, the weight's gradient is added into weight.grad itself.
-        direct = plain and getattr(ctx.head, "weight_grad_in_place", False) and ctx.head.weight.requires_grad
+        # Where write_weight_grad asked, the weight's gradient (params[0]) is added into weight.grad itself.
         weight = ctx.head.weight
-        if direct and weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        grad_params = [weight.grad if direct and i == 0 else torch.zeros_like(p) for i, p in enumerate(params)]  # the weight is params[0]
+        direct = plain and getattr(ctx.head, "weight_grad_in_place", False) and weight.requires_grad
+        if direct:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            grad_params = [weight.grad, *(torch.zeros_like(p) for p in params[1:])]
+        else:
+            grad_params = [torch.zeros_like(p) for p in params]
         step = chunk_tokens(_vocab(ctx.head))
         for s in range(0, len(hidden), step):
             h, tok, g_lp = hidden[s : s + step], tokens[s : s + step], grad_logp[s : s + step]
@@ -93,7 +96,9 @@ class _ChunkedHead(torch.autograd.Function):
             for total, g in zip(grad_params, grads[1:]):
                 if g is not None:
                     total += g
-        return (grad_hidden, None, None, None, None, None, *[None if direct and i == 0 else g for i, g in enumerate(grad_params)])
+        if direct:
+            grad_params[0] = None  # already in weight.grad
+        return (grad_hidden, None, None, None, None, None, *grad_params)
 
 
 def write_weight_grad(head: nn.Linear) -> None:

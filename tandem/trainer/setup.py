@@ -102,6 +102,9 @@ class PolicyOptions:
     lr_scheduler_type: str
     warmup_steps: int
     max_steps: int
+    # The tied embedding's sparse backward (embedding.py): one unsharded process only, as DDP and
+    # FSDP with it are untried.
+    sparse_embedding: bool = False
 
 
 def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=None) -> tuple[torch.nn.Module, PrefixSharingLM | None, torch.optim.Optimizer, object]:
@@ -124,7 +127,7 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
     if options.checkpointing:
         checkpoint_layers(model)
     chunk_mlps(model)
-    if shard is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # DDP and FSDP: untried
+    if options.sparse_embedding:
         sparse_tied_embedding(model)
     if shard is not None:
         model = shard(model)
