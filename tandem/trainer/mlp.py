@@ -75,7 +75,8 @@ class _GatedMLP(torch.autograd.Function):
 
 def chunk_mlps(model: nn.Module) -> int:
     """Give every gated MLP of `model` whose projections are plain bias-free nn.Linear layers (none
-    with a forward of its own) and whose activation is SiLU (not LoRA's adapted layers) the backward above. Returns how many."""
+    with a forward of its own) and whose activation is SiLU (not LoRA's adapted layers) the
+    backward above. Returns how many."""
     mlps = [m for m in model.modules() if _gated(m)]
     for mlp in mlps:
         mlp.forward = functools.partial(_forward, mlp, mlp.forward)
