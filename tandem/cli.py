@@ -8,7 +8,9 @@ import sys
 import traceback
 from pathlib import Path
 
-DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"  # inside the package, so a wheel ships it
+# Inside the package, so a wheel ships them.
+DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
+DEMO_CONFIGS = {"addition": DEMO_CONFIG, "calculator": DEMO_CONFIG.with_name("demo_calculator.yaml")}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -110,15 +112,15 @@ def _plot(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import time
 
-    from tandem.demo import prepare
+    from tandem.demo import prepare, prepare_calculator
     from tandem.trainer.config import TrainConfig, load_yaml
     from tandem.trainer.loop import train
 
-    out = Path(args.output_dir)
+    out = Path(args.output_dir or ("runs/demo" if args.task == "addition" else f"runs/{args.task}"))
     t0 = time.perf_counter()
-    model_dir, data = prepare(out, seed=args.seed)
+    model_dir, data = (prepare_calculator if args.task == "calculator" else prepare)(out, seed=args.seed)
     print(f"demo: tiny model after its supervised warm-up in {model_dir}, {data.name} written ({time.perf_counter() - t0:.0f}s)")
-    values = load_yaml(args.config)
+    values = load_yaml(args.config or DEMO_CONFIGS[args.task])
     # The demo's run folder is its own: a demo run again starts afresh there.
     values.update(model_name_or_path=str(model_dir), dataset_name=str(data), output_dir=str(out / "run"), seed=args.seed, overwrite_output_dir=True)
     if args.max_steps:
@@ -223,9 +225,13 @@ def _add_runs_readers(sub) -> None:
     p.add_argument("--width", type=int, default=None, help="line width (default: the terminal's)")
     p.set_defaults(run=_files_command(_show))
 
-    p = sub.add_parser("demo", help="learn single-digit addition by RL on a tiny model (2 CPU cores, a few minutes, no network)")
-    p.add_argument("--output_dir", default="runs/demo", help="where the model, data and run go")
-    p.add_argument("--config", default=str(DEMO_CONFIG), help="training options of the demo")
+    p = sub.add_parser("demo", help="a tiny model learns single-digit addition by RL, or with --task calculator to call a tool "
+                                    "(2 CPU cores, a few minutes, no network)")  # fmt: skip
+    p.add_argument("--task", choices=list(DEMO_CONFIGS), default="addition",
+                   help="addition: single-digit sums, learned from the reward alone; calculator: three-digit sums, "
+                        "which the model learns to get right by calling the calculator tool")  # fmt: skip
+    p.add_argument("--output_dir", default=None, help="where the model, data and run go (default: runs/demo, or runs/calculator for --task calculator)")
+    p.add_argument("--config", default=None, help="training options of the demo (default: the task's own, examples/addition.yaml or examples/calculator.yaml)")
     p.add_argument("--max_steps", type=int, default=0, help="override the demo config's max_steps (0 keeps it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, data and training")
     p.set_defaults(run=_demo)

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
 from tandem.data import encode_prompt
 
 PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 # ChatML, with tools in Qwen2.5's way: listed in a system turn, called as
 # <tool_call>{json}</tool_call> in the assistant's text, answered in <tool_response> blocks of a
 # user turn. The tool list is short (names and arguments, not the JSON schemas) to suit a small
@@ -46,10 +47,16 @@ SIZES = {
 }
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    # Byte-level BPE without merges: one token per byte, as in GPT-2/Qwen2 tokenizers before any
-    # merge is learned. Being the same kind of tokenizer as Qwen2's, it loads the same way through
-    # AutoTokenizer (which picks Qwen2's tokenizer class from the model config).
+def build_tokenizer(for_tools: bool = False) -> PreTrainedTokenizerFast:
+    """Byte-level BPE without merges: one token per byte, as in GPT-2/Qwen2 tokenizers before any
+    merge is learned. Being the same kind of tokenizer as Qwen2's, it loads the same way through
+    AutoTokenizer (which picks Qwen2's tokenizer class from the model config).
+
+    `for_tools` (the tool demo's): the numbers 10 to 999 are one token each, as GPT-4's tokenizer
+    groups digits in threes, and the tool tags are tokens of their own, as in Qwen2.5's and Qwen3's
+    vocabularies. Copying a number is then copying one token, which a model this small learns in
+    a warm-up of minutes; copying digit by digit it did not. They are added tokens, not merges:
+    transformers loads a Qwen2 model's tokenizer with Qwen2's pre-tokenizer, which splits digits."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_order = sorted(alphabet, key=lambda ch: _BYTE_OF[ch])
     vocab = {tok: i for i, tok in enumerate([PAD, BOS_CHAT, EOS] + byte_order)}
@@ -64,6 +71,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
     )
     tok.chat_template = CHAT_TEMPLATE
+    if for_tools:
+        # Plain added tokens (not special): decoded text keeps them, for the tool parser to read.
+        tok.add_tokens([str(n) for n in range(10, 1000)] + TOOL_TAGS)
     return tok
 
 
@@ -150,8 +160,8 @@ def warmup_sft(
     return losses
 
 
-def init_model(out: str | Path, size: str = "tiny", seed: int = 0, head_dim: int = 0, reward_model: bool = False):
-    tokenizer = build_tokenizer()
+def init_model(out: str | Path, size: str = "tiny", seed: int = 0, head_dim: int = 0, reward_model: bool = False, for_tools: bool = False):
+    tokenizer = build_tokenizer(for_tools)
     model = build_model(size, len(tokenizer), seed, tokenizer.eos_token_id, tokenizer.pad_token_id, head_dim, reward_model)
     if not reward_model:
         model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -62,7 +62,7 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--tools", "calculator", "--tool_timeout", "0"], "tool_timeout"),
         (["--tools", "calculator", "--max_tool_calling_iterations", "-1"], "max_tool_calling_iterations"),
         (["--tools", "calculator", "--max_tool_response_tokens", "0"], "max_tool_response_tokens"),
-        (["--tools", "calculator", "--fsdp", "full_shard"], "fsdp"),
+        (["--rollout_func", "agent.py:run", "--fsdp", "full_shard"], "fsdp"),
         (["--reward_funcs", "environment"], "reward_funcs"),
         (["--rollout_func", "agent.py:run", "--tools", "calculator"], "rollout_func"),
         # Values that trained nothing or never ended, and ones that failed only once the model had loaded.

@@ -122,6 +122,36 @@ def test_fsdp_on_two_processes_trains_like_ddp_and_like_one_process(colocated):
     assert not list((colocated / "fsdp").glob(".tmp-*"))
 
 
+UNEVEN = """import os
+
+
+class Uneven:
+    \"\"\"Rank 0's trajectories end after one turn, rank 1's after three.\"\"\"
+
+    def reset(self, **row):
+        self.left = 2 * int(os.environ["RANK"])
+
+    def step(self, text):
+        if not self.left:
+            return None
+        self.left -= 1
+        return "ok"
+"""
+
+
+def test_fsdp_colocated_decodes_in_lockstep_across_turns_of_uneven_count(ender, data, tmp_path):
+    # From its second turn rank 0 has nothing to generate, and takes part in rank 1's decoding as
+    # it does when its completions end first; without it, rank 1 would wait in its forward's gather.
+    (tmp_path / "uneven.py").write_text(UNEVEN)
+    extra = ["--environment_factory", f"{tmp_path / 'uneven.py'}:Uneven", "--max_completion_length", "96"]
+    train(2, args(ender, data, tmp_path / "fsdp", 8, *extra, "--fsdp", "full_shard"), trace=tmp_path / "trace")
+    train(2, args(ender, data, tmp_path / "ddp", 8, *extra))
+    assert "all trajectories done (sharded turns)" in same_collectives(tmp_path / "trace")
+    assert all(m["multi_turn/turns/max"] == 3 for m in read(tmp_path / "fsdp"))  # rank 1's
+    assert all(len(c["turns"]["versions"]) == 1 for c in read(tmp_path / "fsdp", "completions.jsonl"))  # rank 0 logs its own
+    assert_trains_alike(tmp_path / "fsdp", tmp_path / "ddp")
+
+
 def test_a_sharded_checkpoint_resumes_bitwise_and_exports_as_a_model(colocated, ender, data, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(colocated / "fsdp", out)

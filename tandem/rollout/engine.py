@@ -189,17 +189,22 @@ class TransformersEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
         check_request(self, prompts, params, seeds, min_version)
-        if not prompts:
+        idle = not prompts
+        if idle and self.all_done is None:
             return []
+        if idle:  # sharded: nothing of its own to generate, it still takes part in every other process's forward calls
+            prompts, seeds = [[self.pad_token_id]], [0]
         was_training = self.model.training
         self.model.eval()
         try:
             with fast_linears(self.model, pack=params.max_tokens >= PACK_MIN_TOKENS and self.all_done is None):
-                return self._generate(prompts, params, seeds)
+                out = self._generate(prompts, params, seeds, idle)
         finally:
             self.model.train(was_training)
+        return [] if idle else out
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], idle: bool = False) -> list[Completion]:
+        """`idle`: the prompts are a stand-in, done from the start (see generate)."""
         device = self.device
         n, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)  # (N, P), left-padded
@@ -215,7 +220,7 @@ class TransformersEngine:
         if params.repetition_penalty != 1.0:
             seen.scatter_(1, input_ids, attention.bool())
         cache, logits = self._prefill(prompts, input_ids, attention, positions, params.max_tokens)
-        token_mat, logp_mat, lengths, finished_by_eos = self._decode(cache, logits, attention, positions[:, -1:], seen, generators, params)
+        token_mat, logp_mat, lengths, finished_by_eos = self._decode(cache, logits, attention, positions[:, -1:], seen, generators, params, idle)
         token_mat, logp_mat, lengths, finished_by_eos = token_mat.cpu(), logp_mat.cpu(), lengths.tolist(), finished_by_eos.tolist()
         return [
             Completion(
@@ -246,11 +251,11 @@ class TransformersEngine:
         cache.reorder_cache(index)  # (U, ...) -> (N, ...)
         return cache, out.logits[:, -1, :].float()[index]  # (N, V)
 
-    def _decode(self, cache, logits, attention, step_pos, seen, generators, params: SamplingParams):
+    def _decode(self, cache, logits, attention, step_pos, seen, generators, params: SamplingParams, idle: bool = False):
         """Sample until every sequence stopped or reached max_tokens: tokens and log-probs (N, T),
         lengths and whether each ended on EOS (N,). The batch holds only sequences still
         generating: once a quarter of its rows have stopped, they leave it, KV cache included, so
-        no decode step computes a finished one."""
+        no decode step computes a finished one. `idle`: every row counts as stopped from the start."""
         device, n = self.device, len(logits)
         eos = torch.tensor(self.eos_token_ids, device=device)
         live = torch.arange(n, device=device)  # (M,) the sequence each batch row holds
@@ -258,7 +263,7 @@ class TransformersEngine:
         logp_mat = torch.zeros((n, params.max_tokens), device=device)  # (N, T)
         lengths = torch.full((n,), params.max_tokens, dtype=torch.long, device=device)  # (N,)
         finished_by_eos = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
-        done = torch.zeros(n, dtype=torch.bool, device=device)  # (M,)
+        done = torch.full((n,), idle, dtype=torch.bool, device=device)  # (M,)
         for step in range(params.max_tokens):
             scores = scaled(apply_repetition_penalty(logits, seen, params.repetition_penalty), params.temperature)
             scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)

@@ -172,7 +172,13 @@ class MultiTurn:
         max_completion_length: int,
         tool_timeout: float,
         max_tool_response_tokens: int | None,
+        all_done: Callable[[bool], bool] | None = None,
     ):
+        """`all_done` (a sharded colocated engine, whose every generate call is a collective): given
+        whether this process's trajectories are all finished, whether every process's are. Turns
+        go on until they are, with nothing of this process's own to generate once its are: the
+        engine then takes part in the others' decoding (TransformersEngine.generate)."""
+        self.all_done = all_done
         self.tokenizer = tokenizer
         self.glue = TemplateGlue(tokenizer, template_kwargs, where)
         self.tools = {t.name: t for t in tools}
@@ -187,15 +193,20 @@ class MultiTurn:
         trajs = [self._start(p, s) for p, s in zip(prompts, seeds)]
         for turn in range(self.max_iterations + 1):
             live = [t for t in trajs if t.finish is None]
-            if not live:
+            if self._all_finished(live):
                 break
-            budget = max(self.max_length - len(t.ids) for t in live)
+            # In lockstep every process decodes up to the same max_tokens, so all stop at the same step.
+            budget = self.max_length if self.all_done else max(self.max_length - len(t.ids) for t in live)
             outs = engine.generate([t.prompt_ids + t.ids for t in live], replace(params, max_tokens=budget),
                                    [turn_seed(t.seed, turn) for t in live], min_version=min_version)  # fmt: skip
             texts = [self._model_turn(t, o) for t, o in zip(live, outs)]
             asking = [(t, text) for t, text in zip(live, texts) if t.finish is None]
             self._respond(asking, last=turn == self.max_iterations)
         return [self._finish(t) for t in trajs]
+
+    def _all_finished(self, live: list) -> bool:
+        """Whether the round's turns are over: nothing live here, and with `all_done` on any process."""
+        return self.all_done(not live) if self.all_done is not None else not live
 
     def _start(self, prompt: Prompt, seed: int) -> _Live:
         messages = copy.deepcopy(prompt.messages)

@@ -131,7 +131,11 @@ def build(config: TrainConfig) -> Run:
     # Cheap checks first: reward functions and the dataset fail before the model loads.
     reward_fns = config.load_rewards()
     tokenizer, max_len = load_tokenizer(config.model_name_or_path, config.trust_remote_code)
-    rollouts, template_kwargs, tool_names = _turns(config, tokenizer)
+    # A sharded colocated engine's every forward is a collective: its decoding, and a round's
+    # turns, go on until every process's are done.
+    lockstep = plan is not None and config.rollout_mode == "colocate"
+    turns_done = (lambda done: dist.all_collective(done, "trajectories done (sharded turns)")) if lockstep else None
+    rollouts, template_kwargs, tool_names = _turns(config, tokenizer, turns_done)
     prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length,
                             template_kwargs)  # fmt: skip
     table, skipped = load_prompts(config.dataset_name, tokenizer, prompts, max_len)
@@ -150,7 +154,7 @@ def build(config: TrainConfig) -> Run:
         engine = servers.engine
     else:
         eos_ids = eos_token_ids(tokenizer, learner.lm.generation_config, config.model_name_or_path)
-        all_done = None if plan is None else lambda done: dist.all_collective(done, "sequences done (sharded decoding)")
+        all_done = (lambda done: dist.all_collective(done, "sequences done (sharded decoding)")) if lockstep else None
         engine, push = TransformersEngine(learner.lm, eos_ids, tokenizer.pad_token_id, state.version, all_done), None
     engine.version = state.version
     producer = _producer(config, dist, table, tokenizer, reward_fns, engine, rollouts)
@@ -316,9 +320,10 @@ def _servers(config: TrainConfig, dist: Dist, learner: Learner, state: TrainStat
     return servers, pushes, push_collective
 
 
-def _turns(config: TrainConfig, tokenizer) -> tuple[Rollouts, dict, list[str] | None]:
+def _turns(config: TrainConfig, tokenizer, all_done) -> tuple[Rollouts, dict, list[str] | None]:
     """How prompts become trajectories, the chat template's arguments (the tools' schemas
-    included), and the names multi-turn metrics count tool calls under (None: one turn)."""
+    included), and the names multi-turn metrics count tool calls under (None: one turn).
+    `all_done`: a sharded colocated engine's lockstep across processes (MultiTurn's)."""
     template_kwargs = dict(config.chat_template_kwargs or {})
     if not config.multi_turn():
         return SingleTurn(), template_kwargs, None
@@ -340,7 +345,7 @@ def _turns(config: TrainConfig, tokenizer) -> tuple[Rollouts, dict, list[str] | 
     if every_tool:
         template_kwargs["tools"] = [t.schema for t in every_tool]
     rollouts = MultiTurn(tokenizer, template_kwargs, config.model_name_or_path, tools, factory, env_tools, config.tool_parser, config.tool_turns(),
-                         config.max_completion_length, config.tool_timeout, config.max_tool_response_tokens)  # fmt: skip
+                         config.max_completion_length, config.tool_timeout, config.max_tool_response_tokens, all_done)  # fmt: skip
     return rollouts, template_kwargs, [t.name for t in every_tool] + [INVALID_CALL, UNKNOWN_TOOL]
 
 

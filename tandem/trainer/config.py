@@ -277,8 +277,9 @@ class TrainConfig:
         need(self.max_tool_response_tokens is None or self.max_tool_response_tokens >= 1, "max_tool_response_tokens", "must be >= 1, or none")
         need(self.rollout_func is None or not (self.tools or self.environment_factory), "rollout_func",
              "runs the whole trajectory itself: give it without tools and environment_factory (it may call tools of its own)")  # fmt: skip
-        need(not (self.multi_turn() and self.fsdp and self.rollout_mode == "colocate"), "fsdp",
-             "multi-turn rollouts (tools, environment_factory) with a sharded colocated engine are not built: use rollout_mode server, or DDP")  # fmt: skip
+        need(not (self.rollout_func and self.fsdp and self.rollout_mode == "colocate"), "fsdp",
+             "a rollout_func with a sharded colocated engine is not built (its generate calls cannot be kept in lockstep across "
+             "processes): use rollout_mode server, or DDP")  # fmt: skip
         need("environment" not in self.reward_funcs or self.environment_factory is not None, "reward_funcs",
              "the reward 'environment' is an environment's get_reward(): give environment_factory too")  # fmt: skip
 
