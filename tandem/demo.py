@@ -1,9 +1,11 @@
-"""The bundled demo: single-digit addition learned by GRPO on a tiny model, on 2 CPU cores.
+"""The bundled demos, on a tiny model and 2 CPU cores: single-digit addition learned by GRPO, and
+three-digit addition learned by calling the calculator (`tandem demo --task calculator`).
 
 A randomly initialised model cannot answer at all, so the demo first teaches it the answer
 *format* by a short supervised warm-up on questions paired with random numbers: it learns to
 reply with a number and stop, but nothing about which number is right (its reward then is
-chance). Everything it learns about addition afterwards comes from the RL reward.
+chance). Everything it learns about addition afterwards comes from the RL reward. The tool
+demo's warm-up likewise teaches how to call the tool, not that calling pays.
 """
 
 import json
