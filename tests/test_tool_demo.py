@@ -12,9 +12,9 @@ import yaml
 from conftest import cli_here
 
 ROOT = Path(__file__).resolve().parent.parent
-# 20 of the demo's 60 steps: in three tries of the demo's warm-up, the calls went from 1 in 4 of
-# the completions or fewer (steps 1-5) to about 9 in 10 (steps 16-20), and the reward from about
-# 0.1 to 0.4-0.6 over the same steps (128 completions a step: a 5-step mean's noise is about 0.02).
+# 20 of the demo's 60 steps: in three runs (twice on the demo's warm-up, once on a longer one) the
+# calls went from 1 in 4 of the completions or fewer (steps 1-5) to about 9 in 10 (steps 16-20),
+# and the reward from about 0.1 to 0.4-0.6 (128 completions a step: a 5-step mean's noise is ~0.02).
 STEPS = 20
 
 
