@@ -8,9 +8,9 @@ import sys
 import traceback
 from pathlib import Path
 
-# Inside the package, so a wheel ships them.
+# Each demo task's training options (inside the package, so a wheel ships them) and folder.
 DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
-DEMO_CONFIGS = {"addition": DEMO_CONFIG, "calculator": DEMO_CONFIG.with_name("demo_calculator.yaml")}
+DEMOS = {"addition": (DEMO_CONFIG, "runs/demo"), "calculator": (DEMO_CONFIG.with_name("demo_calculator.yaml"), "runs/calculator")}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -116,11 +116,12 @@ def _demo(args: argparse.Namespace) -> int:
     from tandem.trainer.config import TrainConfig, load_yaml
     from tandem.trainer.loop import train
 
-    out = Path(args.output_dir or ("runs/demo" if args.task == "addition" else f"runs/{args.task}"))
+    config_file, folder = DEMOS[args.task]
+    out = Path(args.output_dir or folder)
     t0 = time.perf_counter()
     model_dir, data = (prepare_calculator if args.task == "calculator" else prepare)(out, seed=args.seed)
     print(f"demo: tiny model after its supervised warm-up in {model_dir}, {data.name} written ({time.perf_counter() - t0:.0f}s)")
-    values = load_yaml(args.config or DEMO_CONFIGS[args.task])
+    values = load_yaml(args.config or config_file)
     # The demo's run folder is its own: a demo run again starts afresh there.
     values.update(model_name_or_path=str(model_dir), dataset_name=str(data), output_dir=str(out / "run"), seed=args.seed, overwrite_output_dir=True)
     if args.max_steps:
@@ -227,7 +228,7 @@ def _add_runs_readers(sub) -> None:
 
     p = sub.add_parser("demo", help="a tiny model learns single-digit addition by RL, or with --task calculator to call a tool "
                                     "(2 CPU cores, a few minutes, no network)")  # fmt: skip
-    p.add_argument("--task", choices=list(DEMO_CONFIGS), default="addition",
+    p.add_argument("--task", choices=list(DEMOS), default="addition",
                    help="addition: single-digit sums, learned from the reward alone; calculator: three-digit sums, "
                         "which the model learns to get right by calling the calculator tool")  # fmt: skip
     p.add_argument("--output_dir", default=None, help="where the model, data and run go (default: runs/demo, or runs/calculator for --task calculator)")
