@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -67,10 +68,14 @@ def test_wandb_offline_writes_its_run_folder_with_the_metrics(tiny_model, data, 
     assert len(runs) == 1, list((out / "wandb").iterdir())
     # W&B's offline format has no Python reader; its history records hold each key and each
     # value as JSON text, so every logged loss appears in the file as json.dumps writes it.
-    raw = runs[0].read_bytes()
-    assert b"completions/mean_length" in raw and b"completions" in raw
-    for m in metrics(out):
-        assert json.dumps(m["loss"]).encode() in raw, m["loss"]
+    # wandb.finish() returns before W&B's own service process has written the records (seen
+    # once: the file held its 8-byte header when read, all 18 kB a moment later), so wait for them.
+    wanted = [b"completions/mean_length", b"completions", *(json.dumps(m["loss"]).encode() for m in metrics(out))]
+    deadline = time.monotonic() + 60
+    while not all(w in (raw := runs[0].read_bytes()) for w in wanted) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for w in wanted:
+        assert w in raw, (w, len(raw))
 
 
 @pytest.mark.parametrize(
