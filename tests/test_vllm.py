@@ -98,12 +98,14 @@ def test_the_demo_task_reward_rises_with_a_vllm_server(tmp_path):
     # attention needs them; `tiny` with one head of 64 learns little), in server mode, at a
     # learning rate for that size (the demo's 1e-3 is tiny's: small rises, then collapses).
     # Async, as most runs are: vLLM generates the next round while the trainer trains. Measured
-    # (100 steps, AVX2): first-10 mean 0.25, last-10 0.60, trained in 154 s; sync 0.25 and 0.66 in 229 s.
+    # (100 steps, AVX2): first-10 mean 0.25, last-10 0.60, trained in 154 s; sync 0.25 and 0.66 in
+    # 229 s. 60 steps (AVX-512; the schedule decays over them): 0.25 and 0.46, a 10-step mean's
+    # spread about 0.025, so a rise of 0.12 still holds with room, in 60% of the time.
     model, dataset = prepare(tmp_path / "demo", seed=0, size="small", head_dim=64)
     server = Server(model, *VLLM_SERVER)
     try:
         proc = subprocess.run(
-            command(1, ["--config", DEMO_CONFIG, "--model_name_or_path", model, "--dataset_name", dataset, "--max_steps", "100", "--learning_rate", "3e-4",
+            command(1, ["--config", DEMO_CONFIG, "--model_name_or_path", model, "--dataset_name", dataset, "--max_steps", "60", "--learning_rate", "3e-4",
                         "--output_dir", tmp_path / "run", "--disable_tqdm", "true",
                         *served(server, "--async_generate", "true", "--max_staleness", "1")]),
             capture_output=True, text=True, timeout=900, env=ENV,
