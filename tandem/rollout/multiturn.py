@@ -196,7 +196,7 @@ class MultiTurn:
             if self._all_finished(live):
                 break
             # In lockstep every process decodes up to the same max_tokens, so all stop at the same step.
-            budget = self.max_length if self.all_done else max(self.max_length - len(t.ids) for t in live)
+            budget = self.max_length if self.all_done is not None else max(self.max_length - len(t.ids) for t in live)
             outs = engine.generate([t.prompt_ids + t.ids for t in live], replace(params, max_tokens=budget),
                                    [turn_seed(t.seed, turn) for t in live], min_version=min_version)  # fmt: skip
             texts = [self._model_turn(t, o) for t, o in zip(live, outs)]
