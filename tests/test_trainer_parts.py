@@ -338,7 +338,7 @@ def test_a_micro_batch_trained_in_slices_has_the_loss_gradients_and_metrics_of_a
         learner = Learner(PrefixSharingLM(lm), None, None, None, Dist(Accelerator(cpu=True)), 0, settings, n, slice_size, 1.0, "skip",
                           lockstep=False, grad_sync=lambda on: None, entropy=EntropyBonus(0.05), ref_sync=ReferenceSync())  # fmt: skip
         lm.zero_grad(set_to_none=True)
-        loss, stats = learner.micro_step_collective(rollouts, idx, advantages, None, ref, behav, norm, sync=True)
+        loss, stats = learner.micro_step(rollouts, idx, advantages, None, ref, behav, norm, sync=True)
         return loss, stats, {name: p.grad.clone() for name, p in lm.named_parameters()}
 
     whole_loss, whole_stats, expected = step(n)

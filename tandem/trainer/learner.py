@@ -134,7 +134,7 @@ class Learner:
 
     # ------------------------------------------------------------------ the update
 
-    def micro_step_collective(self, rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
+    def micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
         """Forward and backward of one micro-batch, slice_size sequences at a time: each slice's
         loss is normalised over the whole micro-batch, so the slices' gradients add up to its own.
         Gradients are synced on the last micro-batch's last slice only (then the backward is a
@@ -147,7 +147,7 @@ class Learner:
             norm = replace(norm, sequences=len(idx), tokens=sum(mb.completion_mask.sum().item() for mb in batches))
         losses, stats = [], {}
         for n, (part, mb) in enumerate(zip(slices, batches)):
-            part_loss, part_stats = self._slice_collective(mb, part, advantages, old_logps, ref_logps, behav_logps, norm, sync and n == len(slices) - 1)
+            part_loss, part_stats = self._slice_step(mb, part, advantages, old_logps, ref_logps, behav_logps, norm, sync and n == len(slices) - 1)
             losses.append(part_loss)
             for k, v in part_stats.items():
                 stats.setdefault(k, []).append(v)
@@ -156,7 +156,7 @@ class Learner:
         weights = torch.stack([mb.completion_mask.sum() for mb in batches])
         return sum(losses), {k: metrics.combine(k, torch.stack(v), weights.to(v[0].device)) for k, v in stats.items()}
 
-    def _slice_collective(self, mb, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
+    def _slice_step(self, mb, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
         """Forward and backward of the sequences `idx`, collated as `mb`."""
         cfg, obj = self.loss, self.loss.objective
         C, mask = mb.completion_ids.shape[1], mb.completion_mask
