@@ -105,8 +105,6 @@ def run(config: str, length: int, bf16: bool, args, tmp: Path, model: Path, data
                "--bf16", str(bf16).lower(), "--save_steps", 0, "--disable_tqdm", "true"]  # fmt: skip
         if config == "colocate-no-ckpt":
             cmd += ["--gradient_checkpointing", "false"]
-        if config == "colocate-whole":
-            cmd += ["--train_slice_tokens", 0]
         if config == "server":
             port = free_port()
             server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "rollout", "--model", model, "--port", str(port), "--dtype",
@@ -166,8 +164,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is left out of the timings")
-    ap.add_argument("--configs", nargs="+", default=["trl", "colocate", "server"], choices=["trl", "colocate", "colocate-no-ckpt", "colocate-whole", "server"],
-                    help="colocate-no-ckpt: colocated with gradient_checkpointing false; colocate-whole: with train_slice_tokens 0 (whole micro-batches)")
+    ap.add_argument("--configs", nargs="+", default=["trl", "colocate", "server"], choices=["trl", "colocate", "colocate-no-ckpt", "server"],
+                    help="colocate-no-ckpt: colocated with gradient_checkpointing false")
     ap.add_argument("--size", default="0.5b", choices=list(SHAPES))
     ap.add_argument("--bf16", default="auto", choices=["auto", "always", "never"])
     args = ap.parse_args()

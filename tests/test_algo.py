@@ -149,7 +149,7 @@ def test_high_entropy_tokens_and_the_entropy_bonus():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     assert high_entropy_mask(entropy, mask, threshold=0.5).tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]  # the masked 3.0 never
     # -coef * mean entropy of the masked tokens (0.1 + 0.9 + 0.5 + 0.7 + 0.2 = 2.4 over 5) / grad_accum
-    assert entropy_bonus(entropy, mask, coef=0.5, norm=Normalisation(4, grad_accum=2)).item() == pytest.approx(-0.5 * 0.48 / 2)
+    assert entropy_bonus(entropy, mask, coef=0.5, grad_accum=2).item() == pytest.approx(-0.5 * 0.48 / 2)
     # adaptive: up by delta at or below the target, down above it, within the bounds
     assert next_entropy_coef(0.1, world_entropy=0.2, target=0.2, delta=0.05, lowest=0.0, highest=0.12) == 0.12
     assert next_entropy_coef(0.1, world_entropy=0.3, target=0.2, delta=0.05, lowest=0.0, highest=1.0) == pytest.approx(0.05)

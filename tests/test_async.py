@@ -103,12 +103,10 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
 def test_two_processes_equal_one_with_accumulation_and_several_iterations(tiny_model, data, tmp_path, loss_type):
     # Two micro-batches per optimizer step (gradient_accumulation_steps 2) and two passes over each
     # round (num_iterations 2), so the second step of a round recomputes the proximal log-probs.
-    # The two processes train each micro-batch in slices of 3, 3 and 2 sequences (12 tokens), their
-    # gradients synced on the last slice of the last micro-batch.
     extra = ["--max_steps", "4", "--loss_type", loss_type, "--gradient_accumulation_steps", "2",
              "--steps_per_generation", "2", "--num_iterations", "2", "--save_steps", "0"]  # fmt: skip
     train(1, base_args(tiny_model, data, tmp_path / "one", 16, *extra))
-    train(2, base_args(tiny_model, data, tmp_path / "two", 8, *extra, "--train_slice_tokens", "12"))
+    train(2, base_args(tiny_model, data, tmp_path / "two", 8, *extra))
     (one, _), (two, _) = read(tmp_path / "one"), read(tmp_path / "two")
     assert [m["round"] for m in one] == [0, 0, 1, 1]
     assert [m["reward"] for m in one] == [m["reward"] for m in two]

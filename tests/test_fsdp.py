@@ -88,9 +88,7 @@ def colocated(ender, data, tmp_path_factory):
     # The reference moves toward the policy every 2 steps (sync_ref_model): sharded like the policy,
     # it is mixed shard by shard, and the step-2 checkpoint holds its shards for the bitwise resume.
     extra = ["--beta", "0.04", "--eval_dataset", held_out, "--eval_num_generations", "2", "--sync_ref_model", "true", "--ref_model_sync_steps", "2"]
-    # The sharded run trains each micro-batch in slices of 3, 3 and 2 sequences (48 tokens), a
-    # forward and backward each, in lockstep: whole micro-batches everywhere else.
-    train(2, args(ender, data, root / "fsdp", 8, *extra, "--fsdp", "full_shard", "--save_steps", "2", "--train_slice_tokens", "48"), trace=root / "trace")
+    train(2, args(ender, data, root / "fsdp", 8, *extra, "--fsdp", "full_shard", "--save_steps", "2"), trace=root / "trace")
     train(2, args(ender, data, root / "ddp", 8, *extra))
     train(1, args(ender, data, root / "one", 16, *extra))
     train(1, args(ender, data, root / "fsdp1", 16, *extra, "--fsdp", "full_shard"), separate=True)  # a process group of one

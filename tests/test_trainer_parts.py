@@ -311,46 +311,6 @@ def test_the_chunked_mlp_keeps_less_for_the_backward_and_changes_no_result(tiny_
         assert torch.equal(completion_logprobs(PrefixSharingLM(lm), mb, 0.9)[0], own)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
-def test_a_micro_batch_trained_in_slices_has_the_loss_gradients_and_metrics_of_a_whole_one(tiny_model, loss_type):
-    # Ten sequences in slices of 3, 3, 3 and 1, against one forward and backward of all ten, with
-    # every term the loss can have: a server's behaviour log-probs (importance weights and the
-    # off-policy mask), a KL term, and an entropy bonus with its gradient.
-    from accelerate import Accelerator
-
-    from tandem.algo import Normalisation, Objective
-    from tandem.trainer.dist import Dist
-    from tandem.trainer.learner import EntropyBonus, Learner, LossSettings, ReferenceSync
-
-    lm = AutoModelForCausalLM.from_pretrained(tiny_model)
-    g = torch.Generator().manual_seed(0)
-    rollouts = _groups_of_rollouts(g)
-    n, C = len(rollouts), max(len(r.completion_ids) for r in rollouts)
-    idx = torch.randperm(n, generator=g).tolist()
-    advantages = torch.randn(n, generator=g)
-    with torch.no_grad():
-        own = completion_logprobs(PrefixSharingLM(lm), collate(rollouts, 0, "cpu", False), 1.0)[0]
-    behav, ref = own + 0.3 * torch.randn(n, C, generator=g), own + 0.1 * torch.randn(n, C, generator=g)
-    settings = LossSettings(loss_type, Objective(), "token", 0.04, True, 1.0, False, "token_truncate", 2.0, None, 0.2, 1.0)
-    norm = Normalisation(max_completion_length=C, grad_accum=2, step_tokens=30.0)
-
-    def step(slice_size):
-        learner = Learner(PrefixSharingLM(lm), None, None, None, Dist(Accelerator(cpu=True)), 0, settings, n, slice_size, 1.0, "skip",
-                          lockstep=False, grad_sync=lambda on: None, entropy=EntropyBonus(0.05), ref_sync=ReferenceSync())  # fmt: skip
-        lm.zero_grad(set_to_none=True)
-        loss, stats = learner.micro_step(rollouts, idx, advantages, None, ref, behav, norm, sync=True)
-        return loss, stats, {name: p.grad.clone() for name, p in lm.named_parameters()}
-
-    whole_loss, whole_stats, expected = step(n)
-    loss, stats, got = step(3)
-    assert (loss - whole_loss).abs() <= 1e-6 * whole_loss.abs() + 1e-7  # a sum of terms of both signs: rounding, not its size
-    for name, grad in expected.items():
-        assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
-    assert stats.keys() == whole_stats.keys()
-    for key, value in whole_stats.items():  # token means, weighted by the slices' tokens; extremes
-        assert stats[key] == pytest.approx(value.item(), rel=1e-5, abs=1e-7), key
-
-
 def _tables_and_gradients(lm, run):
     """How many embedding-table-sized dense tensors the backward of `run` makes, and the gradients."""
     lm.zero_grad(set_to_none=True)

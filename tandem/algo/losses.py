@@ -40,16 +40,6 @@ class Normalisation:
     grad_accum: int = 1  # micro-batches summed into one optimizer step
     step_tokens: float = 0.0  # completion tokens in the optimizer step, all ranks and micro-batches
     world_size: int = 1
-    # The whole micro-batch's sequences and loss tokens, where the tensors hold a slice of it (the
-    # training forward's slices, tandem/trainer/learner.py); None: the tensors' own.
-    sequences: int | None = None
-    tokens: float | None = None
-
-    def count_sequences(self, mask: torch.Tensor) -> int:
-        return mask.shape[0] if self.sequences is None else self.sequences
-
-    def count_tokens(self, mask: torch.Tensor) -> torch.Tensor | float:
-        return mask.sum().clamp(min=1.0) if self.tokens is None else max(self.tokens, 1.0)
 
 
 @dataclass(frozen=True)
@@ -108,17 +98,17 @@ def get_reduction(loss_type: str) -> Reduction:
 @register_reduction("grpo")
 def _grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
     per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (N,)
-    return per_seq.sum() / norm.count_sequences(mask) / norm.grad_accum
+    return per_seq.mean() / norm.grad_accum
 
 
 @register_reduction("bnpo")
 def _bnpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
-    return (per_token * mask).sum() / norm.count_tokens(mask) / norm.grad_accum
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0) / norm.grad_accum
 
 
 @register_reduction("dr_grpo")
 def _dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
-    return (per_token * mask).sum() / (norm.count_sequences(mask) * norm.max_completion_length) / norm.grad_accum
+    return (per_token * mask).sum() / (per_token.shape[0] * norm.max_completion_length) / norm.grad_accum
 
 
 @register_reduction("dapo")
@@ -130,7 +120,7 @@ def _dapo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> t
 
 @register_reduction("luspo")
 def _luspo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
-    return (per_token * mask).sum(-1).sum() / norm.count_sequences(mask) / norm.grad_accum
+    return (per_token * mask).sum(-1).mean() / norm.grad_accum
 
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -292,11 +282,10 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, threshold: floa
     return ((entropy * mask >= threshold) & (mask > 0)).to(mask.dtype)
 
 
-def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float, norm: Normalisation) -> torch.Tensor:
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float, grad_accum: int) -> torch.Tensor:
     """-coef times the mean entropy (N, T), with gradient, of the tokens in `mask`, one micro-batch's
-    share of the step: added to the loss, it rewards exploration (TRL's entropy_coef). In a slice
-    of the micro-batch, the mean is over the micro-batch's norm.tokens."""
-    return -coef * (entropy * mask).sum() / norm.count_tokens(mask) / norm.grad_accum
+    share of the step: added to the loss, it rewards exploration (TRL's entropy_coef)."""
+    return -coef * (entropy * mask).sum() / mask.sum().clamp(min=1.0) / grad_accum
 
 
 def next_entropy_coef(coef: float, world_entropy: float, target: float, delta: float, lowest: float, highest: float) -> float:

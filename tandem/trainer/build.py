@@ -280,25 +280,8 @@ def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad
                            config.entropy_coef_delta, config.entropy_target)  # fmt: skip
     if resume_dir is not None and "entropy_bonus" in saved_state(resume_dir):
         entropy.load_state_dict(saved_state(resume_dir)["entropy_bonus"])
-    return Learner(wrapped, optimizer, scheduler, ref_model, dist, pad_id, loss, config.per_device_train_batch_size, _slice_size(config, model),
-                   config.max_grad_norm, config.on_nonfinite, lockstep=plan is not None, grad_sync=grad_sync, entropy=entropy, ref_sync=ref_sync)  # fmt: skip
-
-
-# train_slice_tokens' default, over the hidden size: a slice's checkpointed layer inputs and one
-# layer's activations in its backward grow with tokens x hidden size. At the Qwen2.5-0.5B shape
-# and 8 x 1,024 tokens, slices of 2 sequences took the peak from ... (docs/benchmarks.md).
-SLICE_TOKENS_X_HIDDEN = 2**21
-
-
-def _slice_size(config: TrainConfig, model) -> int:
-    """Sequences per slice of a micro-batch in the training forward (the same on every rank: from
-    the config and the model, not the round's lengths, as a sharded forward is a collective)."""
-    tokens = config.train_slice_tokens
-    if tokens is None:
-        tokens = SLICE_TOKENS_X_HIDDEN // model.config.hidden_size
-    if tokens == 0 or config.top_entropy_quantile < 1.0:
-        return config.per_device_train_batch_size
-    return min(config.per_device_train_batch_size, max(1, tokens // config.max_completion_length))
+    return Learner(wrapped, optimizer, scheduler, ref_model, dist, pad_id, loss, config.per_device_train_batch_size, config.max_grad_norm,
+                   config.on_nonfinite, lockstep=plan is not None, grad_sync=grad_sync, entropy=entropy, ref_sync=ref_sync)  # fmt: skip
 
 
 def saved_state(resume_dir: Path) -> dict:

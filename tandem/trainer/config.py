@@ -116,7 +116,6 @@ class TrainConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay.", "batch and schedule")
     adam_beta1: float = opt(0.9, "AdamW beta1.", "batch and schedule")
     adam_beta2: float = opt(0.999, "AdamW beta2.", "batch and schedule")
-    train_slice_tokens: int | None = opt(None, "The training forward and backward run each micro-batch in slices of this many completion tokens (sequences x max_completion_length, at least one sequence), each slice's loss normalised over the whole micro-batch: the same gradients up to float rounding, with one slice's activations held instead of the micro-batch's. None: 2,097,152 / the model's hidden size (2,340 tokens at Qwen2.5-0.5B's, 585 at 7B's; whole micro-batches at the test models'); 0: whole micro-batches. With top_entropy_quantile < 1 micro-batches are whole (the quantile is over all of their tokens).", "batch and schedule")
     gradient_checkpointing: bool = opt(True, "Activation checkpointing (TRL's default): each decoder layer keeps only its input for the backward and runs again there, about a third more training compute for the memory of one layer's activations instead of every layer's. Results are the same either way.", "batch and schedule")
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", "batch and schedule")
     on_nonfinite: str = opt("skip", "A step whose loss or gradient norm is NaN or inf never updates the weights: 'skip' drops it and counts it in the metric skipped_steps; 'error' stops the run naming the step.", "batch and schedule")
@@ -315,7 +314,6 @@ class TrainConfig:
         need(self.num_generations >= 2, "num_generations", "must be >= 2: advantages compare completions within a group")
         need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
         need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
-        need(self.train_slice_tokens is None or self.train_slice_tokens >= 0, "train_slice_tokens", "must be >= 0 (0: whole micro-batches)")
         need(self.steps_per_generation >= 1, "steps_per_generation", "must be >= 1")
         need(
             self.steps_per_generation % self.gradient_accumulation_steps == 0,

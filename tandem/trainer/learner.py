@@ -4,7 +4,7 @@ update. What the run's mode and sharding decide (DDP's or FSDP's gradient-sync s
 micro-batches, LoRA's reference) is resolved when it is built; its methods branch on none of it."""
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,7 +20,7 @@ from tandem.algo import (
     policy_loss,
 )
 from tandem.rollout.types import Rollout
-from tandem.trainer import metrics, sharding
+from tandem.trainer import sharding
 from tandem.trainer.batch import collate, completion_logprobs
 from tandem.trainer.dist import Dist
 
@@ -85,16 +85,15 @@ class ReferenceSync:
 
 
 class Learner:
-    def __init__(self, model, optimizer, scheduler, ref_model, dist: Dist, pad_id: int, loss: LossSettings, micro_batch: int, slice_size: int,
+    def __init__(self, model, optimizer, scheduler, ref_model, dist: Dist, pad_id: int, loss: LossSettings, micro_batch: int,
                  max_grad_norm: float, on_nonfinite: str, lockstep: bool, grad_sync: Callable[[bool], None],
                  entropy: EntropyBonus, ref_sync: ReferenceSync):  # fmt: skip
         """`model` is the prepared PrefixSharingLM (under DDP when several processes train whole
         copies); `ref_model` the frozen reference, or None (no KL term, or LoRA, whose reference
-        is the policy with its adapters disabled); `slice_size`: sequences per forward and backward
-        of the update; `lockstep`: sharded, every forward a collective;
+        is the policy with its adapters disabled); `lockstep`: sharded, every forward a collective;
         `grad_sync(on)`: whether the next backward all-reduces (DDP) or reduce-scatters (FSDP)."""
         self.model, self.optimizer, self.scheduler, self.ref_model = model, optimizer, scheduler, ref_model
-        self.dist, self.pad_id, self.loss, self.micro_batch, self.slice_size = dist, pad_id, loss, micro_batch, slice_size
+        self.dist, self.pad_id, self.loss, self.micro_batch = dist, pad_id, loss, micro_batch
         self.max_grad_norm, self.on_nonfinite, self.lockstep, self.grad_sync = max_grad_norm, on_nonfinite, lockstep, grad_sync
         self.entropy, self.ref_sync = entropy, ref_sync
         self._entropy_window = torch.zeros(2)  # the step's entropy sum and token count so far (adaptive bonus)
@@ -135,30 +134,10 @@ class Learner:
     # ------------------------------------------------------------------ the update
 
     def micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
-        """Forward and backward of one micro-batch, slice_size sequences at a time: each slice's
-        loss is normalised over the whole micro-batch, so the slices' gradients add up to its own.
-        Gradients are synced on the last micro-batch's last slice only (then the backward is a
-        collective). Returns the micro-batch's loss and statistics (over slices: min of */min, max
-        of */max, else the mean weighted by each slice's loss tokens)."""
-        slices = [idx[lo : lo + self.slice_size] for lo in range(0, len(idx), self.slice_size)]
-        batches = [collate([rollouts[i] for i in part], self.pad_id, self.dist.device, self.loss.mask_truncated_completions, lockstep=self.lockstep)
-                   for part in slices]  # fmt: skip
-        if len(slices) > 1:
-            norm = replace(norm, sequences=len(idx), tokens=sum(mb.completion_mask.sum().item() for mb in batches))
-        losses, stats = [], {}
-        for n, (part, mb) in enumerate(zip(slices, batches)):
-            part_loss, part_stats = self._slice_step(mb, part, advantages, old_logps, ref_logps, behav_logps, norm, sync and n == len(slices) - 1)
-            losses.append(part_loss)
-            for k, v in part_stats.items():
-                stats.setdefault(k, []).append(v)
-        if len(slices) == 1:
-            return losses[0], {k: v[0] for k, v in stats.items()}
-        weights = torch.stack([mb.completion_mask.sum() for mb in batches])
-        return sum(losses), {k: metrics.combine(k, torch.stack(v), weights.to(v[0].device)) for k, v in stats.items()}
-
-    def _slice_step(self, mb, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
-        """Forward and backward of the sequences `idx`, collated as `mb`."""
+        """Forward and backward of one micro-batch; gradients are synced on the last one only
+        (then the backward is a collective)."""
         cfg, obj = self.loss, self.loss.objective
+        mb = collate([rollouts[i] for i in idx], self.pad_id, self.dist.device, cfg.mask_truncated_completions, lockstep=self.lockstep)
         C, mask = mb.completion_ids.shape[1], mb.completion_mask
         self.grad_sync(sync)
         if self.lockstep:
@@ -182,7 +161,7 @@ class Learner:
             stats["policy_gradient/kept_tokens"] = (keep.expand_as(mask) * mask).sum() / mask.sum().clamp(min=1.0)
         if self.entropy.on:  # over the tokens the policy gradient trains
             coef = self.entropy.applied()
-            loss = loss + entropy_bonus(entropy, trained, coef, norm)
+            loss = loss + entropy_bonus(entropy, trained, coef, norm.grad_accum)
             self._entropy_window += torch.stack([(entropy.detach() * trained).sum(), trained.sum()]).cpu()
             stats["entropy_coef"] = torch.tensor(coef)
         if sync and (self.dist.world > 1 or self.lockstep):

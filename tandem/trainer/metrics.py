@@ -105,15 +105,12 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def combine(key: str, values: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Several values of one metric (micro-batches, ranks, slices) into one: min of */min, max of
-    */max, else the mean, weighted by `weights` where given and not all 0."""
+def combine(key: str, values: torch.Tensor) -> torch.Tensor:
+    """Several values of one metric (micro-batches or ranks) into one: min of */min, max of */max, else mean."""
     if key.endswith("/min"):
         return values.min()
     if key.endswith("/max"):
         return values.max()
-    if weights is not None and weights.sum() > 0:
-        return (values * weights).sum() / weights.sum()
     return values.mean()
 
 
