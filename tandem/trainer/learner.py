@@ -133,7 +133,7 @@ class Learner:
 
     # ------------------------------------------------------------------ the update
 
-    def micro_step(self, rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
+    def micro_step_collective(self, rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
         """Forward and backward of one micro-batch; gradients are synced on the last one only
         (then the backward is a collective)."""
         cfg, obj = self.loss, self.loss.objective
