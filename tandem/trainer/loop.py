@@ -125,7 +125,7 @@ def train_round(run: Run, idle: IdleSteps) -> dict:
             loss_sum = torch.zeros(())
             for m, idx in enumerate(micro):
                 loss, mstats = learner.micro_step_collective(batch.rollouts, idx, batch.local, batch.old_logps, batch.ref_logps, batch.behav_logps, norm,
-                                                  sync=m == len(micro) - 1)  # fmt: skip
+                                                             sync=m == len(micro) - 1)  # fmt: skip
                 loss_sum += loss
                 for k, v in mstats.items():
                     stats.setdefault(k, []).append(v)
