@@ -171,20 +171,29 @@ def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):
 
 class _Ops(TorchDispatchMode):
     """Records the operations run while active: each one's name and the shapes of the dense
-    tensors it makes (none for one that writes into a tensor it was given)."""
+    tensors it makes (none for one that writes into a tensor it was given), and the shapes of
+    each matrix product's factors."""
 
     def __init__(self):
         super().__init__()
         self.run = []
+        self.products = []  # (m, k, n) of each matrix product
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tensors = [] if func._schema.is_mutable else [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.run.append((str(func), [t.shape for t in tensors if t.layout == torch.strided]))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            a, b = args[-2:]  # mm(a, b), addmm(c, a, b)
+            self.products.append((a.shape[0], a.shape[1], b.shape[1]))
         return out
 
     def made(self, shape) -> int:
         return sum(s == shape for _, shapes in self.run for s in shapes)
+
+    def flops(self, k: int | None = None, n: int | None = None) -> int:
+        """2mkn summed over the matrix products, or over those of inner size k and n columns."""
+        return sum(2 * a * b * c for a, b, c in self.products if k in (None, b) and n in (None, c))
 
 
 @pytest.mark.parametrize("plain, onednn", [(True, False), (False, False), (True, True)])
@@ -309,6 +318,31 @@ def test_the_chunked_mlp_keeps_less_for_the_backward_and_changes_no_result(tiny_
         assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
     with torch.no_grad():  # without gradients every call is the module's own
         assert torch.equal(completion_logprobs(PrefixSharingLM(lm), mb, 0.9)[0], own)
+
+
+def test_a_checkpointed_layers_mlp_keeps_its_input_and_its_recompute_stops_before_it(tiny_model, monkeypatch):
+    # With recompute the MLP keeps x past the checkpoint's hooks and makes gate(x) and up(x) again
+    # in its own backward, so the layer's recompute can stop at the MLP's input: the backward then
+    # runs no down projection forward. Chunks of 1 token: every call of more runs gated_mlp.
+    monkeypatch.setattr(mlp, "MLP_CHUNK_BYTES", 1)
+    flops, grads = {}, {}
+    for recompute in (None, False, True):  # None: the model's own MLP, not checkpointed
+        lm, mb, run = _model_and_loss(tiny_model, 3)
+        if recompute is not None:
+            assert checkpoint_layers(lm) == mlp.chunk_mlps(lm, recompute) == lm.config.num_hidden_layers
+        with _Ops() as forward:
+            loss = run()
+        lm.zero_grad(set_to_none=True)
+        with _Ops() as backward:
+            loss.backward()
+        # In the forward the products of inner size I into H columns are the down projections.
+        flops[recompute] = forward.flops(k=lm.config.intermediate_size, n=lm.config.hidden_size), backward.flops()
+        grads[recompute] = {name: p.grad.clone() for name, p in lm.named_parameters()}
+    (down, kept), (_, recomputed) = flops[False], flops[True]
+    assert down > 0 and kept - recomputed == down, (kept, recomputed, down)
+    for name, grad in grads[None].items():
+        for recompute in (False, True):
+            assert (grads[recompute][name] - grad).norm() <= 1e-6 * grad.norm(), (recompute, name)
 
 
 def _tables_and_gradients(lm, run):

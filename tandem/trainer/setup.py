@@ -126,7 +126,7 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
                 module.p = 0.0
     if options.checkpointing:
         checkpoint_layers(model)
-    chunk_mlps(model)
+    chunk_mlps(model, recompute=options.checkpointing)
     if options.sparse_embedding:
         sparse_tied_embedding(model)
     if shard is not None:
