@@ -17,9 +17,9 @@ keeps, and the MLP saves nothing through them, so the layer's recomputation in t
 at the MLP's input (torch's checkpoint stops once it has made again everything it dropped). The
 backward then runs two of the MLP's three matmuls again where the recomputation ran all three,
 and the MLP's backward and the attention's recomputation no longer overlap: on a 4-layer model
-of the Qwen2.5-0.5B shape at 8 x 1,024 tokens the step's peak fell from 4.55 to 4.18 GB and its
-training phase from 155 to 126-132 s. Each layer keeps x (tokens x hidden) besides its input
-until its backward. (With the checkpoint's early stop turned off the recomputation would run
+of the Qwen2.5-0.5B shape at 8 x 1,024 tokens the step's peak fell from 4.55 to 4.18 GB, at the
+same speed (docs/benchmarks.md). Each layer keeps x (tokens x hidden) besides its input until
+its backward. (With the checkpoint's early stop turned off the recomputation would run
 this forward again: the same result, done twice.)
 
 Only where an activation is larger than one chunk, with gradients and without autocast; every
@@ -60,18 +60,19 @@ class _GatedMLP(torch.autograd.Function):
         for s in range(0, len(flat), chunk):
             gc, uc = _gate_up(flat, g, u, gate, up, s, chunk)
             torch.mm(F.silu(gc) * uc, down.T, out=out[s : s + chunk])
-        ctx.chunk = chunk
+        ctx.chunk, ctx.recompute = chunk, recompute
         if recompute:  # past autograd's saved-tensor hooks: a checkpoint keeps it (above)
             ctx.inputs = (x, gate, up, down)
         else:
-            ctx.inputs = None
             ctx.save_for_backward(x, g, u, gate, up, down)
         return out.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
-        if ctx.inputs is None:
+        if not ctx.recompute:
             x, g, u, gate, up, down = ctx.saved_tensors
+        elif ctx.inputs is None:
+            raise RuntimeError("a second backward through the gated MLP: its input went after the first (retain_graph keeps nothing here)")
         else:
             (x, gate, up, down), g, u = ctx.inputs, None, None
             ctx.inputs = None  # the graph outlives this call: let x go now
