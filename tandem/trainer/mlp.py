@@ -19,8 +19,8 @@ backward then runs two of the MLP's three matmuls again where the recomputation 
 and the MLP's backward and the attention's recomputation no longer overlap: on a 4-layer model
 of the Qwen2.5-0.5B shape at 8 x 1,024 tokens the step's peak fell from 4.55 to 4.18 GB, at the
 same speed (docs/benchmarks.md). Each layer keeps x (tokens x hidden) besides its input until
-its backward. (With the checkpoint's early stop turned off the recomputation would run
-this forward again: the same result, done twice.)
+its backward. (With the checkpoint's early stop turned off the recomputation would run this
+forward again: the same result, done twice.)
 
 Only where an activation is larger than one chunk, with gradients and without autocast; every
 other call is the module's own (the test models keep the numerics their recordings hold).
