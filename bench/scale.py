@@ -170,7 +170,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["trl", "colocate", "server"], choices=["trl", "colocate", "colocate-no-ckpt", "server"],
                     help="colocate-no-ckpt: colocated with gradient_checkpointing false")
     ap.add_argument("--size", default="0.5b", choices=list(SHAPES))
-    ap.add_argument("--bf16", default="auto", choices=["auto", "always", "never"])
+    ap.add_argument("--bf16", default="auto", choices=["auto", "always", "never", "only"],
+                    help="auto: bf16 rows too where this CPU computes bf16 faster than fp32; always: both dtypes; only: bf16 rows alone")
     args = ap.parse_args()
     if "trl" in args.configs:
         ensure_trl()
@@ -179,8 +180,8 @@ def main() -> None:
     bytes_per_s = bandwidth()
     print(f"{os.cpu_count()} cores ({flags}); matmul roofline fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s",
           flush=True)  # fmt: skip
-    dtypes = ["fp32"]
-    if args.bf16 == "always" or (args.bf16 == "auto" and peaks["bf16"] > peaks["fp32"]):
+    dtypes = [] if args.bf16 == "only" else ["fp32"]
+    if args.bf16 in ("always", "only") or (args.bf16 == "auto" and peaks["bf16"] > peaks["fp32"]):
         dtypes.append("bf16")
     elif args.bf16 == "auto":
         print(f"bf16 left out: this CPU computes it {peaks['fp32'] / peaks['bf16']:.0f}x slower than fp32 (--bf16 always runs it)")
