@@ -2,7 +2,7 @@
 layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151,936, tied embeddings; 494M parameters)
 at random init, written by this script (no download).
 
-    python bench/scale.py [--lengths 256 1024] [--steps 3] [--configs trl colocate server] [--size 0.5b|1.5b]
+    python bench/scale.py [--lengths 256 1024] [--steps 3] [--configs trl colocate server] [--size 0.5b|1.5b] [--bf16 auto|always|never|only]
 
 Each step: 2 prompts x 4 generations = 8 completions of exactly --lengths tokens (a random
 model almost never ends one early), a reward of random noise (so every group has an advantage),
