@@ -171,25 +171,31 @@ def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):
 
 class _Ops(TorchDispatchMode):
     """Records the operations run while active: each one's name and the shapes of the dense
-    tensors it makes (none for one that writes into a tensor it was given), and the shapes of
-    each matrix product's factors."""
+    tensors it makes (none for one that writes into a tensor it was given or returns a view of
+    one) with their dtypes,
+    and the shapes of each matrix product's factors."""
 
     def __init__(self):
         super().__init__()
         self.run = []
+        self.dtypes = []  # of the tensors in each of run's entries
         self.products = []  # (m, k, n) of each matrix product
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tensors = [] if func._schema.is_mutable else [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.run.append((str(func), [t.shape for t in tensors if t.layout == torch.strided]))
+        views = any(r.alias_info is not None for r in func._schema.returns)
+        tensors = [] if func._schema.is_mutable or views else [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        dense = [t for t in tensors if t.layout == torch.strided]
+        self.run.append((str(func), [t.shape for t in dense]))
+        self.dtypes.append([t.dtype for t in dense])
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
             a, b = args[-2:]  # mm(a, b), addmm(c, a, b)
             self.products.append((a.shape[0], a.shape[1], b.shape[1]))
         return out
 
-    def made(self, shape) -> int:
-        return sum(s == shape for _, shapes in self.run for s in shapes)
+    def made(self, shape, dtype: torch.dtype | None = None) -> int:
+        """How many tensors of `shape` (and `dtype`, where given) were made."""
+        return sum(s == shape and dtype in (None, d) for (_, shapes), dtypes in zip(self.run, self.dtypes) for s, d in zip(shapes, dtypes))
 
     def flops(self, k: int | None = None, n: int | None = None) -> int:
         """2mkn summed over the matrix products, or over those of inner size k and n columns."""
@@ -269,6 +275,36 @@ def test_an_entropy_kept_as_a_metric_costs_the_output_layers_backward_nothing(pl
     (made, grads), (metric_made, metric_grads), (bonus_made, _) = backward(False), backward(True), backward(True, True)
     assert metric_made == made < bonus_made, (made, metric_made, bonus_made)
     assert all(torch.equal(a, b) for a, b in zip(metric_grads, grads))
+
+
+def test_under_bf16_autocast_the_output_layers_written_out_backward_equals_autograds(monkeypatch):
+    # Training in bf16 the head's matmuls run in bf16. Its written-out backward (a plain Linear)
+    # and autograd's (a replaced forward) compute the same bf16 products; the logits' gradient is
+    # formed in fp32 in another order, so a few of its bf16 roundings differ: over 40 seeds the
+    # gradients differed by up to 1.5e-4 of their norms (hidden states) and 9e-6 (weight, bias),
+    # bounded here by a quarter of bf16's precision (2^-8). The written-out backward makes one
+    # bf16 copy of the weight for the whole backward, autograd one a chunk.
+    monkeypatch.setattr(head_module, "HEAD_CHUNK_BYTES", 16 * 4 * 1000)  # chunks of 16 tokens
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(32, 1000)
+    hidden = torch.randn(50, 32, generator=g).requires_grad_()
+    tokens = torch.randint(0, 1000, (50,), generator=g)
+    weights = torch.randn(2, 50, generator=g)
+    grads, copies = {}, {}
+    for plain in (True, False):
+        if not plain:
+            head.forward = lambda x: torch.nn.functional.linear(x, head.weight, head.bias)
+        hidden.grad = head.weight.grad = head.bias.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, entropy = head_logprobs(head, hidden, tokens, 0.7, with_entropy=True, entropy_grad=True)
+        with _Ops() as ops:
+            (logp * weights[0] + entropy * weights[1]).sum().backward()
+        copies[plain] = sum(name.startswith("aten._to_copy") and shapes == [head.weight.shape] for name, shapes in ops.run)
+        grads[plain] = [t.grad.clone() for t in (hidden, head.weight, head.bias)]
+    assert all(t.dtype == torch.float32 for t in grads[True])
+    for got, want in zip(grads[True], grads[False]):
+        assert (got - want).norm() <= 1e-3 * want.norm()
+    assert copies[True] == 1 and copies[False] == 8, copies  # 4 chunks: the weight's cast and its gradient's back
 
 
 def _model_and_loss(tiny_model, seed: int):
@@ -351,11 +387,18 @@ def _tables_and_gradients(lm, run):
     loss = run()
     with _Ops() as ops:
         loss.backward()
-    return ops.made(lm.get_input_embeddings().weight.shape), {name: p.grad.clone() for name, p in lm.named_parameters()}
+    return ops.made(lm.get_input_embeddings().weight.shape, torch.float32), {name: p.grad.clone() for name, p in lm.named_parameters()}
 
 
-def test_a_tied_embeddings_sparse_gradient_is_added_in_place_into_the_output_layers(tiny_model, monkeypatch):
-    lm, mb, run = _model_and_loss(tiny_model, 4)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_tied_embeddings_sparse_gradient_is_added_in_place_into_the_output_layers(tiny_model, monkeypatch, bf16):
+    # bf16: under autocast too (the head's matmuls in bf16, the gradients in fp32)
+    lm, mb, fp32_run = _model_and_loss(tiny_model, 4)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return fp32_run()
+
     assert not embedding.sparse_tied_embedding(lm)  # the tiny model's table is far below EMBEDDING_SPARSE_BYTES
     plain_tables, expected = _tables_and_gradients(lm, run)
     monkeypatch.setattr(embedding, "EMBEDDING_SPARSE_BYTES", 0)
@@ -365,8 +408,9 @@ def test_a_tied_embeddings_sparse_gradient_is_added_in_place_into_the_output_lay
     assert weight.grad.layout == torch.strided
     for name, grad in expected.items():
         assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
-    # The one table-sized tensor made is the weight's gradient; autograd makes one per output
-    # layer call and per lookup (the prompts' pass and each bucket's), and their sums.
+    # The one table-sized fp32 tensor made is the weight's gradient; autograd makes one per output
+    # layer call and per lookup (the prompts' pass and each bucket's), and their sums. (In bf16
+    # each output layer call also makes a bf16 copy of the weight and a bf16 product a chunk.)
     assert tables == 1 and plain_tables > 2, (tables, plain_tables)
     run().backward()  # a second micro-batch: both shares add into the gradient already there
     for name, param in lm.named_parameters():
