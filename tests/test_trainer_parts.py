@@ -170,10 +170,9 @@ def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):
 
 
 class _Ops(TorchDispatchMode):
-    """Records the operations run while active: each one's name and the shapes of the dense
-    tensors it makes (none for one that writes into a tensor it was given or returns a view of
-    one) with their dtypes,
-    and the shapes of each matrix product's factors."""
+    """Records the operations run while active: each one's name and the shapes and dtypes of the
+    dense tensors it makes (none for one that writes into a tensor it was given or returns a view
+    of one), and the shapes of each matrix product's factors."""
 
     def __init__(self):
         super().__init__()
