@@ -201,6 +201,22 @@ class _Ops(TorchDispatchMode):
         return sum(2 * a * b * c for a, b, c in self.products if k in (None, b) and n in (None, c))
 
 
+def _head_and_tokens(seed: int):
+    """A head of 1,000 outputs with a bias, 50 hidden states of 32 (with gradients) and their
+    tokens, and the generator that drew them."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(32, 1000)
+    hidden = torch.randn(50, 32, generator=g).requires_grad_()
+    tokens = torch.randint(0, 1000, (50,), generator=g)
+    return head, hidden, tokens, g
+
+
+def _through_autograd(head: torch.nn.Linear) -> None:
+    """The same matmul as a replaced forward, as an fp32 head's or an adapter's: the head's
+    backward then goes through autograd."""
+    head.forward = lambda x: torch.nn.functional.linear(x, head.weight, head.bias)
+
+
 @pytest.mark.parametrize("plain, onednn", [(True, False), (False, False), (True, True)])
 def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(monkeypatch, plain, onednn):
     # A vocabulary of 1000 in chunks of 16 tokens, 50 tokens, a head with a bias, temperature 0.7;
@@ -211,14 +227,11 @@ def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(mo
     if onednn:
         monkeypatch.setattr(linears, "ONEDNN_MIN_WEIGHT", 0)
     assert head_module.chunk_tokens(1000) == 16
-    g = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(32, 1000)
+    head, hidden, tokens, g = _head_and_tokens(0)
     if not plain:
-        head.forward = lambda x: torch.nn.functional.linear(x, head.weight, head.bias)
+        _through_autograd(head)
     assert head_module.plain_linear(head) == plain
-    hidden = torch.randn(50, 32, generator=g).requires_grad_()
     params = {"hidden": hidden, **dict(head.named_parameters())}
-    tokens = torch.randint(0, 1000, (50,), generator=g)
     weights = torch.randn(2, 50, generator=g)  # the loss weighs each token's log-prob and entropy differently
 
     def whole():
@@ -256,12 +269,9 @@ def test_an_entropy_kept_as_a_metric_costs_the_output_layers_backward_nothing(pl
     # The backward must not compute the entropy's gradient from them: it makes as many
     # logit-sized tensors (50 tokens x 1,000, one chunk) as without the entropy, fewer than with
     # an entropy bonus, and the same gradients.
-    g = torch.Generator().manual_seed(1)
-    head = torch.nn.Linear(32, 1000)
+    head, hidden, tokens, _ = _head_and_tokens(1)
     if not plain:
-        head.forward = lambda x: torch.nn.functional.linear(x, head.weight, head.bias)
-    hidden = torch.randn(50, 32, generator=g).requires_grad_()
-    tokens = torch.randint(0, 1000, (50,), generator=g)
+        _through_autograd(head)
 
     def backward(with_entropy, entropy_grad=False):
         hidden.grad = head.weight.grad = head.bias.grad = None
@@ -284,15 +294,12 @@ def test_under_bf16_autocast_the_output_layers_written_out_backward_equals_autog
     # bounded here by a quarter of bf16's precision (2^-8). The written-out backward makes one
     # bf16 copy of the weight for the whole backward, autograd one a chunk.
     monkeypatch.setattr(head_module, "HEAD_CHUNK_BYTES", 16 * 4 * 1000)  # chunks of 16 tokens
-    g = torch.Generator().manual_seed(3)
-    head = torch.nn.Linear(32, 1000)
-    hidden = torch.randn(50, 32, generator=g).requires_grad_()
-    tokens = torch.randint(0, 1000, (50,), generator=g)
+    head, hidden, tokens, g = _head_and_tokens(3)
     weights = torch.randn(2, 50, generator=g)
     grads, copies = {}, {}
     for plain in (True, False):
         if not plain:
-            head.forward = lambda x: torch.nn.functional.linear(x, head.weight, head.bias)
+            _through_autograd(head)
         hidden.grad = head.weight.grad = head.bias.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logp, entropy = head_logprobs(head, hidden, tokens, 0.7, with_entropy=True, entropy_grad=True)
