@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -425,6 +426,32 @@ def tool_model(tiny_model, tmp_path_factory):
     warmup_sft(model, tok, rows=rows, steps=80, lr=1e-2)
     save(model, tok, out)
     return out
+
+
+def test_the_warm_ups_loss_and_gradients_are_those_of_transformers_own_loss_with_the_padding_masked(tiny_model):
+    # warmup_sft leaves the attention mask out and runs the output layer on the positions in the
+    # loss only; transformers' `labels=` loss, on the same padded batch with its mask, is the plain
+    # reference. Conversations of 2 and 4 turns: rows of several lengths, labels in several spans.
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    glue = TemplateGlue(tok, {"tools": [t.schema for t in load_tools(["calculator"])]}, "tiny")
+    rows = [encode_conversation(tok, glue, [{"role": "user", "content": "12+345="}, {"role": "assistant", "content": "357"}]),
+            encode_conversation(tok, glue, [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": _call("1+2")},
+                                            {"role": "tool", "name": "calculator", "content": "3"}, {"role": "assistant", "content": "3"}])]  # fmt: skip
+    drawn = [rows[i] for i in torch.randint(len(rows), (4,), generator=torch.Generator().manual_seed(5)).tolist()]  # warmup_sft's draw
+    assert len({len(ids) for ids, _ in drawn}) == 2
+    (loss,) = warmup_sft(model, tok, rows=rows, steps=1, lr=0.0, batch_size=4, seed=5)  # lr 0: the weights stay
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    width = max(len(ids) for ids, _ in drawn)
+    ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in drawn])
+    labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in drawn])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in drawn])
+    model.zero_grad()
+    reference = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    reference.backward()
+    assert loss == pytest.approx(reference.item(), rel=1e-6)
+    for name, p in model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-7), name
 
 
 def _args(model, data, out, batch, *extra):
