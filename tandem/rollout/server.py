@@ -22,15 +22,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem.rollout import protocol as P
+from tandem.rollout.options import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_REQUEST_BYTES, ENGINE_NAMES
 from tandem.rollout.serving import (
     Busy, EngineFailure, HeldByAnotherRun, NotReady, OtherProcess, RolloutService, TooLarge, UnknownUpdate, VersionConflict,
 )  # fmt: skip
 from tandem.rollout.types import SamplingParams
 from tandem.rollout.weights import host_id, open_sealed_memfd, parse_safetensors
 
-DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
-DEFAULT_MAX_CHUNK_BYTES = 2 * 2**30
-DEFAULT_BODY_TIMEOUT = 30.0
 log = logging.getLogger("tandem")
 
 # What each route may answer besides 200, for the OpenAPI schema: every error has an ErrorBody.
@@ -387,30 +385,7 @@ def kv_cache_bytes(folder: str, dtype: str, tokens: int) -> int:
 
 
 ENGINES = {"transformers": load_transformers_engine, "vllm": load_vllm_engine}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model folder in HF format or hub name (the trainer's starting weights)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --api-key (or --insecure)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype the engine holds the weights in")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without --api-key (anyone who reaches the port can replace the weights)")
-    p.add_argument("--max-batch-tokens", type=int, default=65536, help="most prompt + max_tokens tokens in one engine call")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="largest JSON request body")
-    p.add_argument("--max-weight-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES, help="largest weight chunk body")
-    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, help="seconds a request body may pause between pieces before the request is dropped (408)")
-    p.add_argument("--max-version-waiters", type=int, default=256, help="most /generate requests that may wait for a min_version at once; more get 503")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads. 0: on --device cpu, half of this host's cores (a trainer on the same host takes the rest); on a GPU, torch's default")
-    p.add_argument("--engine", default="transformers", choices=sorted(ENGINES), help="transformers: tandem's own decode loop (any causal LM, CPU or GPU). vllm: vLLM (pip install 'tandem-rl[vllm]'); the options below are vLLM's own")
-    v = p.add_argument_group("vLLM engine options (--engine vllm; unset: vLLM's defaults, but see --kv-cache-memory-bytes on CPU)")
-    v.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory vLLM may use for weights and KV cache")
-    v.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs to shard the model over")
-    v.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion; default: the model's")
-    v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="reuse the KV cache of shared prompt prefixes (cleared at every weight update)")
-    v.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs or torch.compile: starts faster, generates slower")
-    v.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="bytes of KV cache. On --device cpu, where it lives in host memory, the default is what --max-batch-tokens tokens need")
+assert sorted(ENGINES) == sorted(ENGINE_NAMES), "tandem.rollout.options lists the engines --engine offers"
 
 
 def serve(args: argparse.Namespace) -> int:
