@@ -414,16 +414,30 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tool_model(tiny_model, tmp_path_factory):
-    """The tiny model after a short warm-up on calling the calculator ("a+b=" -> a call on "a+b",
-    its result, the sum): it calls it about as often as it gets the format wrong."""
+    """The tiny model after a short warm-up on the calculator ("a+b=" -> a call on "a+b", its
+    result, the sum) and on answering without it, wrong: it calls in about half of its replies,
+    and a call pays. It also learns to end each of Rounds' three turns (below)."""
     out = tmp_path_factory.mktemp("model") / "tools"
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
     glue = TemplateGlue(tok, {"tools": [t.schema for t in load_tools(["calculator"])]}, "tiny")
+    questions = [(a, b) for a in range(10) for b in range(10)]
     rows = [encode_conversation(tok, glue, [
         {"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": _call(f"{a}+{b}")},
         {"role": "tool", "name": "calculator", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}])
-        for a in range(10) for b in range(10)]  # fmt: skip
-    warmup_sft(model, tok, rows=rows, steps=80, lr=1e-2)
+        for a, b in questions]  # fmt: skip
+    guesses = [(a, b, (7 * a + 3 * b) % 19) for a, b in questions if (7 * a + 3 * b) % 19 != a + b][:66]
+    rows += [encode_conversation(tok, glue, [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(guess)}])
+             for a, b, guess in guesses]  # fmt: skip
+    # Rounds' turns, each ended: the sum, then "Once more." and the sum again, twice.
+    once_more = [{"role": "user", "content": "Once more."}, {"role": "assistant", "content": "{}"}]
+    rows += [encode_conversation(tok, TemplateGlue(tok, {}, "tiny"), [
+        {"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)},
+        *[{**m, "content": m["content"].format(a + b)} for m in once_more * 2]])
+        for a, b in questions[::2]]  # fmt: skip
+    # Warmed up on calls alone (80 steps at 1e-2), the model called in 2 to 13 replies of 16 and
+    # ended Rounds' turns by chance, as the warm-up's seed (or its float rounding) fell. With this
+    # mix, for each of the warm-up's seeds 0-3: 6 to 10 calls of 16, three turns in Rounds.
+    warmup_sft(model, tok, rows=rows, steps=120, lr=5e-3)
     save(model, tok, out)
     return out
 
@@ -488,7 +502,9 @@ def test_a_colocated_run_calls_the_tool_and_shows_each_turn(tool_model, files, t
     _, data = files
     out = tmp_path / "run"
     train(1, _args(tool_model, data, out, 16, "--max_steps", "2", "--reward_funcs", "exact_match", "--tools", "calculator",
-                   "--max_tool_calling_iterations", "1"))  # fmt: skip
+                   "--max_tool_calling_iterations", "1", "--learning_rate", "1e-4"))  # fmt: skip
+    # (A small step: Adam's first moves every weight by about the learning rate, and at 1e-2 it
+    # turned calling off at step 2 for some warm-up seeds. What is tested is how calls run and show.)
     metrics, completions = _read(out)
     assert all(m["tools/calculator/call_frequency"] > 0.2 for m in metrics), [m["tools/calculator/call_frequency"] for m in metrics]
     assert all(m["multi_turn/turns/max"] == 2 for m in metrics)
@@ -528,7 +544,9 @@ def test_two_processes_train_an_async_multi_turn_run_exactly_like_one(tool_model
     folder, data = files
     extra = ["--max_steps", "4", "--reward_funcs", "environment", "--environment_factory", f"{folder / 'rounds.py'}:Rounds",
              "--rollout_mode", "server", "--rollout_server_urls", server.url, "--off_policy_correction", "none",
-             "--async_generate", "true", "--max_staleness", "1"]  # fmt: skip
+             "--async_generate", "true", "--max_staleness", "1", "--learning_rate", "1e-3"]  # fmt: skip
+    # (At 1e-2 Rounds' reward, digits, drove completions to max_completion_length within three
+    # steps, ending trajectories before their third turn.)
     train(1, _args(tool_model, data, tmp_path / "one", 16, *extra))  # its turns end (the random model's seldom do)
     train(2, _args(tool_model, data, tmp_path / "two", 8, *extra), trace=tmp_path / "trace")
     assert same_collectives(tmp_path / "trace").count("sum turn counts") == 4
@@ -548,8 +566,9 @@ def test_two_processes_train_an_async_multi_turn_run_exactly_like_one(tool_model
 
 def test_a_killed_async_multi_turn_run_resumes_bitwise_from_rounds_saved_whole(tool_model, files, server, tmp_path):
     folder, data = files
+    # At 1e-3, as above: at 1e-2 Rounds' trajectories soon end before their third turn.
     extra = ["--max_steps", "8", "--save_steps", "2", "--reward_funcs", "environment", "--environment_factory", f"{folder / 'rounds.py'}:Rounds",
-             "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true"]  # fmt: skip
+             "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true", "--learning_rate", "1e-3"]  # fmt: skip
     train(1, _args(tool_model, data, tmp_path / "whole", 16, *extra))
     out = tmp_path / "killed"
     trainer = subprocess.Popen(command(1, _args(tool_model, data, out, 16, *extra)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
