@@ -26,21 +26,21 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(1)
 
 # The files whose tests take longest, longest first (their seconds in the base suite with -n 2,
-# 2026-12-03): `--dist loadfile` hands each worker a file at a time in collection order
+# 2026-12-04): `--dist loadfile` hands each worker a file at a time in collection order
 # (pyproject turns off xdist's own order, by number of tests, which handed out the tool demo's
-# one 250-s test last: the other worker sat idle for minutes). Other files follow these.
+# one long test last: the other worker sat idle for minutes). Other files follow these.
 LONGEST_FIRST = [
-    "test_docs.py",  # 510 s
-    "test_async.py",  # 325
-    "test_fsdp.py",  # 305
-    "test_tool_demo.py",  # 253
-    "test_resume.py",  # 218
-    "test_multiturn.py",  # 148
-    "test_lora.py",  # 143
-    "test_server.py",  # 52
-    "test_dynamic_sample.py",  # 45
-    "test_golden.py",  # 39
-    "test_rewards.py",  # 39
+    "test_docs.py",  # 275 s
+    "test_async.py",  # 192
+    "test_fsdp.py",  # 172
+    "test_tool_demo.py",  # 151
+    "test_resume.py",  # 132
+    "test_lora.py",  # 87
+    "test_multiturn.py",  # 53
+    "test_server.py",  # 33
+    "test_rewards.py",  # 24
+    "test_golden.py",  # 23
+    "test_dynamic_sample.py",  # 21
 ]
 
 

@@ -1,7 +1,7 @@
 """The tool demo, `tandem demo --task calculator`: three-digit sums, which the tiny model gets right
 only by calling the calculator. Its reward rises from near 0 with the tool and stays there without.
 
-Its own file, so that pytest-xdist gives its ~4 minutes to a worker as a whole (--dist loadfile)."""
+Its own file, so that pytest-xdist gives its 2-3 minutes to a worker as a whole (--dist loadfile)."""
 
 import json
 import statistics
