@@ -152,7 +152,8 @@ def warmup_sft(
             labels[i, : len(y)] = torch.tensor(y)
         # No attention mask: the rows are right-padded, so under causal attention no real token
         # sees a pad. The output layer runs on the positions the loss looks at only (a third of
-        # them in the tool demo's conversations): the same loss as HF's `labels=`, 1.6x faster.
+        # them in the tool demo's conversations): the same loss as HF's `labels=`, and the tool
+        # demo's 1,200 steps in 76 s instead of 102 on one thread.
         hidden = model.model(input_ids=ids).last_hidden_state  # (N, T, H)
         targets = labels[:, 1:]  # (N, T-1): position t predicts token t+1
         looked_at = targets != -100
