@@ -412,6 +412,16 @@ def files(tmp_path_factory):
     return folder, data
 
 
+def _calculator_glue(tok) -> TemplateGlue:
+    return TemplateGlue(tok, {"tools": [t.schema for t in load_tools(["calculator"])]}, "tiny")
+
+
+def _calling(a: int, b: int) -> list[dict]:
+    """"a+b=", answered by a call on "a+b", its result and the sum."""
+    return [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": _call(f"{a}+{b}")},
+            {"role": "tool", "name": "calculator", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tool_model(tiny_model, tmp_path_factory):
     """The tiny model after a short warm-up on the calculator ("a+b=" -> a call on "a+b", its
@@ -419,12 +429,9 @@ def tool_model(tiny_model, tmp_path_factory):
     and a call pays. It also learns to end each of Rounds' three turns (below)."""
     out = tmp_path_factory.mktemp("model") / "tools"
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
-    glue = TemplateGlue(tok, {"tools": [t.schema for t in load_tools(["calculator"])]}, "tiny")
+    glue = _calculator_glue(tok)
     questions = [(a, b) for a in range(10) for b in range(10)]
-    rows = [encode_conversation(tok, glue, [
-        {"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": _call(f"{a}+{b}")},
-        {"role": "tool", "name": "calculator", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}])
-        for a, b in questions]  # fmt: skip
+    rows = [encode_conversation(tok, glue, _calling(a, b)) for a, b in questions]
     guesses = [(a, b, (7 * a + 3 * b) % 19) for a, b in questions if (7 * a + 3 * b) % 19 != a + b][:66]
     rows += [encode_conversation(tok, glue, [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(guess)}])
              for a, b, guess in guesses]  # fmt: skip
@@ -447,10 +454,9 @@ def test_the_warm_ups_loss_and_gradients_are_those_of_transformers_own_loss_with
     # loss only; transformers' `labels=` loss, on the same padded batch with its mask, is the plain
     # reference. Conversations of 2 and 4 turns: rows of several lengths, labels in several spans.
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
-    glue = TemplateGlue(tok, {"tools": [t.schema for t in load_tools(["calculator"])]}, "tiny")
+    glue = _calculator_glue(tok)
     rows = [encode_conversation(tok, glue, [{"role": "user", "content": "12+345="}, {"role": "assistant", "content": "357"}]),
-            encode_conversation(tok, glue, [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": _call("1+2")},
-                                            {"role": "tool", "name": "calculator", "content": "3"}, {"role": "assistant", "content": "3"}])]  # fmt: skip
+            encode_conversation(tok, glue, _calling(1, 2))]  # fmt: skip
     drawn = [rows[i] for i in torch.randint(len(rows), (4,), generator=torch.Generator().manual_seed(5)).tolist()]  # warmup_sft's draw
     assert len({len(ids) for ids, _ in drawn}) == 2
     (loss,) = warmup_sft(model, tok, rows=rows, steps=1, lr=0.0, batch_size=4, seed=5)  # lr 0: the weights stay
