@@ -224,6 +224,42 @@ def test_bf16_reference_model_runs_under_the_policys_numerics(tiny_model, data, 
     assert metrics[1]["kl"] > 0
 
 
+@pytest.fixture(scope="module")
+def hub_like_model(tiny_model, tmp_path_factory):
+    """The tiny model as hub checkpoints are stored, in bf16, and with dropout 0.3 in its attention."""
+    out = tmp_path_factory.mktemp("model") / "bf16-dropout"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attention_dropout=0.3)
+    model.to(torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
+    return out
+
+
+def test_a_model_saved_in_bf16_trains_in_fp32_as_trls_default(hub_like_model, data, tmp_path):
+    # Loaded in bf16 (transformers 5 keeps a checkpoint's dtype), Adam's first step of about 1e-6
+    # per weight is under half a bf16 ulp of weights near 0.02 (ulp 1.2e-4): 2% of the weights
+    # moved. In fp32 every weight with a gradient moves.
+    out = tmp_path / "run"
+    proc = _run(hub_like_model, data, out, "--max_steps", "1", "--save_steps", "0", "--learning_rate", "1e-6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the policy trains float32 weights (the default, as TRL's" in proc.stdout and "bf16 mixed precision off" in proc.stdout
+    before, after = load_file(hub_like_model / "model.safetensors"), load_file(out / "checkpoint-1" / "model.safetensors")
+    layers = [k for k in before if k.startswith("model.layers.")]
+    assert all(after[k].dtype == torch.float32 for k in layers)
+    moved = sum(int((after[k] != before[k].float()).sum()) for k in layers) / sum(before[k].numel() for k in layers)
+    assert moved > 0.99, moved
+
+
+def test_dropout_acts_in_the_training_forward_unless_disable_dropout(hub_like_model, data, tmp_path):
+    # The policy used to stay in eval mode (as from_pretrained returns it): runs with and without
+    # disable_dropout were bitwise equal. Dropout 0.3 in the training forward moves other weights.
+    weights = []
+    for disable in ("false", "true"):
+        out = tmp_path / disable
+        _train(hub_like_model, data, out, "--max_steps", "2", "--save_steps", "0", "--disable_dropout", disable)
+        weights.append(load_file(out / "checkpoint-2" / "model.safetensors"))
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 @pytest.mark.parametrize("loss_type, metric", [("cispo", "cispo_clip_ratio"), ("sapo", None), ("luspo", "clip_ratio/region_mean"), ("vespo", "vespo/phi_seq_mean")])
 def test_each_new_loss_type_trains(tiny_model, data, tmp_path, loss_type, metric):
     out = tmp_path / "run"

@@ -263,6 +263,44 @@ def test_the_chunked_output_layer_keeps_no_logits_and_equals_the_whole_logits(mo
     assert not head_logprobs(head, hidden, tokens, 0.7, with_entropy=True)[1].requires_grad
 
 
+def test_an_adapters_dropout_on_the_output_layer_draws_the_same_masks_in_its_backward(monkeypatch):
+    # LoRA on lm_head with lora_dropout 0.5 (a real PEFT adapter, B drawn non-zero so that A has a
+    # gradient). The chunked head runs the adapter again in its backward; with the RNG as the
+    # forward left it, its dropout draws the forward's masks. The reference: the same four chunks
+    # of 16 tokens through autograd, from the same seed (so the same masks, drawn in the same order).
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setattr(head_module, "HEAD_CHUNK_BYTES", 16 * 4 * 1000)
+    head, hidden, tokens, g = _head_and_tokens(2)
+    holder = get_peft_model(torch.nn.ModuleDict({"head": head}), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["head"], init_lora_weights=False))
+    adapted = holder.base_model.model["head"]
+    adapted.train()
+    params = {"hidden": hidden, **{n: p for n, p in adapted.named_parameters() if p.requires_grad}}
+    assert any("lora_A" in n for n in params) and not head_module.plain_linear(adapted)
+    weights = torch.randn(50, generator=g)
+
+    def whole():
+        logits = torch.cat([adapted(hidden[s : s + 16]) for s in range(0, 50, 16)]).unsqueeze(0)  # (1, 50, V)
+        return (token_logprobs(logits, tokens[None], 0.7)[0] * weights).sum()
+
+    def chunked():
+        return (head_logprobs(adapted, hidden, tokens, 0.7)[0] * weights).sum()
+
+    torch.manual_seed(7)
+    _, _, expected = _saved_bytes_and_gradients(params, whole)
+    torch.manual_seed(7)
+    _, _, got = _saved_bytes_and_gradients(params, chunked)
+    for name, grad in expected.items():
+        assert (got[name] - grad).norm() <= 2e-6 * grad.norm(), name
+    # the backward leaves the RNG where the forward left it: what draws next draws the same
+    torch.manual_seed(7)
+    chunked()
+    after_forward = torch.get_rng_state()
+    torch.manual_seed(7)
+    chunked().backward()
+    assert torch.equal(torch.get_rng_state(), after_forward)
+
+
 @pytest.mark.parametrize("plain", [True, False])
 def test_an_entropy_kept_as_a_metric_costs_the_output_layers_backward_nothing(plain):
     # Autograd hands the backward zeros for the entropy, an output it was told has no gradient.

@@ -49,7 +49,7 @@ from tandem.trainer.eval import Evaluator
 from tandem.trainer.learner import EntropyBonus, Learner, LossSettings, ReferenceSync
 from tandem.trainer.producer import AsyncProducer, SyncProducer
 from tandem.trainer.servers import ServerOptions, Servers
-from tandem.trainer.setup import PolicyOptions, PromptOptions, build_policy, load_prompts, load_tokenizer, resolve_bf16
+from tandem.trainer.setup import PolicyOptions, PromptOptions, build_policy, load_prompts, load_tokenizer, model_load_kwargs, resolve_bf16
 from tandem.trainer.state import TrainState
 from tandem.trainer.sync import WeightSync
 
@@ -147,6 +147,8 @@ def build(config: TrainConfig) -> Run:
         print(f"tandem: skipped {skipped} prompts longer than max_prompt_length={config.max_prompt_length}")
 
     learner = _learner(config, dist, plan, resume_dir, tokenizer.pad_token_id)
+    if dist.is_main:
+        print(_precision_line(config, learner.lm), flush=True)
     state = TrainState.from_checkpoint(saved) if saved else TrainState()
     servers = pushes = None
     if config.rollout_mode == "server":
@@ -228,7 +230,7 @@ def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad
     sharded it already; the gradient-sync switch of either; the optimizer's and schedule's state."""
     options = PolicyOptions(
         model=config.model_name_or_path,
-        load_kwargs={**(config.model_init_kwargs or {}), "trust_remote_code": config.trust_remote_code},
+        load_kwargs=model_load_kwargs(config.model_init_kwargs, config.trust_remote_code),
         disable_dropout=config.disable_dropout,
         head_in_fp32=config.cast_lm_head_to_fp32 and bool(config.bf16),
         checkpointing=config.gradient_checkpointing,
@@ -282,6 +284,15 @@ def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad
         entropy.load_state_dict(saved_state(resume_dir)["entropy_bonus"])
     return Learner(wrapped, optimizer, scheduler, ref_model, dist, pad_id, loss, config.per_device_train_batch_size, config.max_grad_norm,
                    config.on_nonfinite, lockstep=plan is not None, grad_sync=grad_sync, entropy=entropy, ref_sync=ref_sync)  # fmt: skip
+
+
+def _precision_line(config: TrainConfig, lm: torch.nn.Module) -> str:
+    """What the policy trains in: its weights' dtype, where that came from, and mixed precision."""
+    init = config.model_init_kwargs or {}
+    given = init.get("dtype", init.get("torch_dtype"))
+    dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    source = f"model_init_kwargs dtype {given}" if given else 'the default, as TRL\'s; model_init_kwargs {"dtype": ...} changes it'
+    return f"tandem: the policy trains {dtype} weights ({source}); bf16 mixed precision {'on' if config.bf16 else 'off'}"
 
 
 def saved_state(resume_dir: Path) -> dict:

@@ -30,6 +30,9 @@ OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 FSDP_OPTIONS = ("full_shard", "shard_grad_op", "auto_wrap")
 FSDP_CONFIG_KEYS = ("transformer_layer_cls_to_wrap", "reshard_after_forward", "version")
 REWARD_MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# What model_init_kwargs may name as the weights' dtype (TRL's): float32 when it names none; "auto"
+# keeps the checkpoint's own (tandem.trainer.setup.model_load_kwargs).
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 # transformers' get_scheduler names that need no options of their own (transformers.SchedulerType)
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt", "warmup_stable_decay")
 
@@ -53,7 +56,7 @@ class TrainConfig:
     shuffle_dataset: bool = opt(True, "Shuffle prompts each epoch (seeded).", "model and data")
     output_dir: str = opt("runs/tandem", "Run folder: metrics.jsonl, completions.jsonl, config.yaml, checkpoints.", "model and data")
     seed: int = opt(42, "Seed for init, data order and every sampled completion.", "model and data")
-    model_init_kwargs: dict | None = opt(None, "Keyword arguments for the model's from_pretrained (e.g. {\"attn_implementation\": \"sdpa\"}), as TRL's.", "model and data")
+    model_init_kwargs: dict | None = opt(None, "Keyword arguments for the policy's and reference's from_pretrained (e.g. {\"attn_implementation\": \"sdpa\"}), as TRL's: the weights load in float32 unless it gives a dtype (bfloat16, float16, or auto for the checkpoint's own); bf16 mixed precision is the bf16 option.", "model and data")
     trust_remote_code: bool = opt(False, "Let the model's and tokenizer's own code run (transformers' trust_remote_code).", "model and data")
     chat_template_kwargs: dict | None = opt(None, "Extra arguments of the chat template, for every prompt (e.g. {\"enable_thinking\": false} for Qwen3).", "model and data")
     disable_dropout: bool = opt(False, "Turn off every dropout of the policy and the reference model (the LoRA adapters' lora_dropout too).", "model and data")
@@ -308,6 +311,9 @@ class TrainConfig:
         need(self.on_nonfinite in NONFINITE_POLICIES, "on_nonfinite", f"must be one of {NONFINITE_POLICIES}")
         need(self.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
         need(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport", f"must be one of {WEIGHT_TRANSPORTS}")
+        init = self.model_init_kwargs or {}
+        need(all(init.get(k, "float32") in MODEL_DTYPES for k in ("dtype", "torch_dtype")), "model_init_kwargs",
+             f"its dtype must be one of {MODEL_DTYPES} (default float32, as TRL's)")  # fmt: skip
 
     def _validate_batch(self, need) -> None:
         """Groups, micro-batches, rounds and the optimizer."""

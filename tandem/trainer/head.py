@@ -9,6 +9,8 @@ them, one chunk at a time. The results are today's computation's up to float rou
 (tests/test_trainer_parts.py checks log-probs and every parameter's gradient within 1e-6).
 """
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -51,6 +53,10 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.head, ctx.temperature, ctx.entropy_grad = head, temperature, with_entropy and entropy_grad
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        # A head that is not a plain Linear (a LoRA adapter on it) runs again in the backward: the
+        # RNG as it was here makes its dropout draw the same masks there (torch's checkpoint does
+        # the same), or the gradient would be of other masks than the forward's values.
+        ctx.rng = None if plain_linear(head) else _rng_state(hidden.device)
         ctx.save_for_backward(hidden, tokens, *params)
         step = chunk_tokens(_vocab(head))
         logps, entropies = [], []
@@ -87,25 +93,44 @@ class _ChunkedHead(torch.autograd.Function):
         else:
             grad_params = [torch.zeros_like(p) for p in params]
         step = chunk_tokens(_vocab(ctx.head))
-        for s in range(0, len(hidden), step):
-            h, tok, g_lp = hidden[s : s + step], tokens[s : s + step], grad_logp[s : s + step]
-            g_ent = grad_entropy[s : s + step] if entropy_grad else None
-            if plain:
-                with fast_linears(ctx.head):
-                    grad_hidden[s : s + step] = _linear_backward(ctx.head, computed, h, tok, g_lp, g_ent, ctx.temperature, grad_params)
-                continue
-            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-                h = h.detach().requires_grad_()
-                lp, ent = _chunk(ctx.head, h, tok, ctx.temperature, entropy_grad)
-                objective = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
-                grads = torch.autograd.grad(objective, [h, *params], allow_unused=True)
-            grad_hidden[s : s + step] = grads[0]
-            for total, g in zip(grad_params, grads[1:]):
-                if g is not None:
-                    total += g
+        with _restored_rng(hidden.device, ctx.rng):
+            for s in range(0, len(hidden), step):
+                h, tok, g_lp = hidden[s : s + step], tokens[s : s + step], grad_logp[s : s + step]
+                g_ent = grad_entropy[s : s + step] if entropy_grad else None
+                if plain:
+                    with fast_linears(ctx.head):
+                        grad_hidden[s : s + step] = _linear_backward(ctx.head, computed, h, tok, g_lp, g_ent, ctx.temperature, grad_params)
+                    continue
+                with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                    h = h.detach().requires_grad_()
+                    lp, ent = _chunk(ctx.head, h, tok, ctx.temperature, entropy_grad)
+                    objective = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
+                    grads = torch.autograd.grad(objective, [h, *params], allow_unused=True)
+                grad_hidden[s : s + step] = grads[0]
+                for total, g in zip(grad_params, grads[1:]):
+                    if g is not None:
+                        total += g
         if direct:
             grad_params[0] = None  # already in weight.grad
         return (grad_hidden, None, None, None, None, None, *grad_params)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The CPU generator's state, and the device's where the tensors are on a GPU."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextmanager
+def _restored_rng(device: torch.device, state: tuple | None):
+    """Inside: the RNG as `state` left it (nothing changed for None); after: as it was before."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
 
 
 def write_weight_grad(head: nn.Linear) -> None:

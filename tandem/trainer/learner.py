@@ -4,6 +4,7 @@ update. What the run's mode and sharding decide (DDP's or FSDP's gradient-sync s
 micro-batches, LoRA's reference) is resolved when it is built; its methods branch on none of it."""
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -84,6 +85,17 @@ class ReferenceSync:
     every: int = 0
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """`model` in eval mode inside, back in the mode it was in after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 class Learner:
     def __init__(self, model, optimizer, scheduler, ref_model, dist: Dist, pad_id: int, loss: LossSettings, micro_batch: int,
                  max_grad_norm: float, on_nonfinite: str, lockstep: bool, grad_sync: Callable[[bool], None],
@@ -119,7 +131,12 @@ class Learner:
     def _logprobs_no_grad(self, model, rollouts: list[Rollout]) -> list[torch.Tensor]:
         """Log-probs without gradient (proximal or reference policy), under the training forward's
         autocast: the reference model is not prepared by accelerate, and a reference in fp32
-        against a bf16 policy would make KL(current || ref) non-zero at step 0."""
+        against a bf16 policy would make KL(current || ref) non-zero at step 0. In eval mode, as
+        TRL computes them: no dropout in the policies the ratio and the KL compare with."""
+        with eval_mode(model):
+            return self._logprobs_in_batches(model, rollouts)
+
+    def _logprobs_in_batches(self, model, rollouts: list[Rollout]) -> list[torch.Tensor]:
         out = []
         for lo in range(0, len(rollouts), self.micro_batch):
             chunk = rollouts[lo : lo + self.micro_batch]

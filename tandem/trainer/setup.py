@@ -89,7 +89,7 @@ class PolicyOptions:
     """The policy, its reference and its optimizer (TrainConfig's values)."""
 
     model: str  # model_name_or_path
-    load_kwargs: dict  # from_pretrained's (model_init_kwargs, trust_remote_code)
+    load_kwargs: dict  # from_pretrained's (model_load_kwargs)
     disable_dropout: bool
     head_in_fp32: bool  # cast_lm_head_to_fp32, under bf16
     checkpointing: bool  # gradient_checkpointing
@@ -107,6 +107,19 @@ class PolicyOptions:
     sparse_embedding: bool = False
 
 
+def model_load_kwargs(init_kwargs: dict | None, trust_remote_code: bool) -> dict:
+    """from_pretrained's keyword arguments for the policy and its reference: model_init_kwargs,
+    with the weights in float32 unless it names a dtype, as TRL loads them. transformers 5 keeps a
+    checkpoint's own dtype by default, and hub checkpoints are stored in bf16, where AdamW's
+    updates are rounded away (most of them at a learning rate of 1e-6): mixed precision is bf16's
+    job, not the stored weights'. TrainConfig.validate has checked the dtype's name."""
+    kwargs = {**(init_kwargs or {}), "trust_remote_code": trust_remote_code}
+    key = "torch_dtype" if "torch_dtype" in kwargs and "dtype" not in kwargs else "dtype"  # transformers' older name
+    name = kwargs.get(key, "float32")
+    kwargs[key] = name if name == "auto" else getattr(torch, name)
+    return kwargs
+
+
 def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=None) -> tuple[torch.nn.Module, PrefixSharingLM | None, torch.optim.Optimizer, object]:
     """The policy (from the checkpoint when resuming), the frozen reference model (from the
     starting weights), AdamW over the trainable weights and the learning-rate schedule. `shard`
@@ -120,10 +133,12 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
             raise ConfigError(f"checkpoint {resume_dir} holds LoRA adapters: resume it with use_peft true")
         full = resume_dir is not None and shard is None
         model = load(resume_dir if full else options.model)
-    if options.disable_dropout:  # after LoRA: its adapters' dropout too, as TRL's disable_dropout_in_model
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+    if options.disable_dropout:
+        disable_dropout(model)
+    # Training mode, as a Trainer's: dropout acts in the training forward (from_pretrained returns
+    # a model in eval mode). The engine and the passes without gradient switch to eval mode for
+    # their own forward (TransformersEngine.generate, Learner._logprobs_no_grad).
+    model.train()
     if options.checkpointing:
         checkpoint_layers(model)
     chunk_mlps(model, recompute=options.checkpointing)
@@ -143,6 +158,18 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
     # Stepped by hand once per optimizer step: accelerate's prepared scheduler would step once per process.
     scheduler = get_scheduler(options.lr_scheduler_type, optimizer, num_warmup_steps=options.warmup_steps, num_training_steps=options.max_steps)
     return model, ref_model, optimizer, scheduler
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout off: the Dropout modules (after LoRA: its adapters' too), as TRL's
+    disable_dropout_in_model, and the probabilities attention layers pass to their kernel
+    (Qwen2's and Llama's attention_dropout), which TRL's leaves on."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if name.endswith("dropout") and isinstance(value, float):
+                setattr(module, name, 0.0)
 
 
 def _prepared(model: torch.nn.Module, options: PolicyOptions) -> torch.nn.Module:
