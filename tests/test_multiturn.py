@@ -380,8 +380,63 @@ def test_a_rollout_function_trains_only_the_tokens_its_generate_calls_returned()
     assert t0.logprobs == [-(k + 1) / 100 for k in range(len(first))] + [0.0] * 6 + [-(k + 1) / 100 for k in range(5)]
     assert t0.info["turns"] == 2 and t0.info["versions"] == [3, 3]
     engine.start(questions)
-    with pytest.raises(ValueError, match="agent.py:agent: the tokens it marks as the model's"):
+    with pytest.raises(ValueError, match=r"agent.py:agent: the model tokens \(loss_mask 1\) at completion_ids\[\d+:\] are not the whole answer"):
         RolloutFunction(_agent(cheat=True), "agent.py:agent", TOKENIZER, 400).generate(engine, prompts, SamplingParams(max_tokens=100), [11, 22], 1)
+
+
+def test_a_rollout_functions_concurrent_calls_draw_from_seeds_of_their_own_and_drafts_it_drops_are_not_trained():
+    # Best-of-3 through asyncio.gather: the calls are made together and return together. Each
+    # takes its seed by the order it was made in (they all took turn 0's while none had returned).
+    async def best_of_three(prompt, generate, tokenizer):
+        drafts = await asyncio.gather(*(generate(prompt["prompt_ids"]) for _ in range(3)))
+        best = max(drafts, key=lambda d: len(d["token_ids"]))
+        return {"completion_ids": best["token_ids"], "loss_mask": [1] * len(best["token_ids"])}
+
+    questions = ["Q one"]
+    engine = ScriptedEngine([["a", "three", "bb"]])
+    engine.start(questions)
+    (t,) = RolloutFunction(best_of_three, "agent.py:best", TOKENIZER, 400).generate(engine, _prompts(TOKENIZER, [], questions), SamplingParams(max_tokens=100), [11], 1)
+    assert [seed for call in engine.calls for seed in call[2]] == [turn_seed(11, 0), turn_seed(11, 1), turn_seed(11, 2)]
+    assert t.token_ids == TOKENIZER("three", add_special_tokens=False)["input_ids"] + [EOS] and t.info["turns"] == 1
+    assert t.logprobs == [-(k + 1) / 100 for k in range(6)]
+
+
+def test_a_rollout_function_whose_next_call_saw_other_tokens_than_it_returns_is_refused():
+    # The second call is made on the first answer and one note; the trajectory returns another note
+    # in its place, so the second answer's log-probs were computed after tokens it does not hold.
+    async def rerendered(prompt, generate, tokenizer):
+        first = await generate(prompt["prompt_ids"])
+        asked = tokenizer("\nnote\n", add_special_tokens=False)["input_ids"]
+        shown = tokenizer("\nNote\n", add_special_tokens=False)["input_ids"]
+        second = await generate(prompt["prompt_ids"] + first["token_ids"] + asked)
+        ids = first["token_ids"] + shown + second["token_ids"]
+        return {"completion_ids": ids, "loss_mask": [1] * len(first["token_ids"]) + [0] * len(shown) + [1] * len(second["token_ids"])}
+
+    questions = ["Q one"]
+    engine = ScriptedEngine([["first", "second"]])
+    engine.start(questions)
+    start = len(TOKENIZER("first", add_special_tokens=False)["input_ids"]) + 1 + 6
+    with pytest.raises(ValueError, match=rf"agent.py:re: the model tokens at completion_ids\[{start}:\] were generated after other tokens"):
+        RolloutFunction(rerendered, "agent.py:re", TOKENIZER, 400).generate(engine, _prompts(TOKENIZER, [], questions), SamplingParams(max_tokens=100), [11], 1)
+
+
+def test_an_answer_ending_on_its_stop_token_at_max_completion_length_is_finished_not_truncated():
+    # "42" and its stop token are 3 tokens: with max_completion_length 3 the answer is whole, as
+    # one turn reports it (stop), so mask_truncated_completions keeps it; one token less cuts it.
+    for limit, finish in ((3, "stop"), (2, "length")):
+        mt, tok, schemas = _multi_turn(max_length=limit)
+        (t,), _ = _run(mt, tok, schemas, ["Q"], [["42"]])
+        assert (len(t.token_ids), t.finish_reason) == (limit, finish)
+
+    async def answer(prompt, generate, tokenizer):
+        out = await generate(prompt["prompt_ids"])
+        return {"completion_ids": out["token_ids"], "loss_mask": [1] * len(out["token_ids"])}
+
+    for limit, finish in ((3, "stop"), (2, "length")):
+        engine = ScriptedEngine([["42"]])
+        engine.start(["Q"])
+        (t,) = RolloutFunction(answer, "agent.py:answer", TOKENIZER, limit).generate(engine, _prompts(TOKENIZER, [], ["Q"]), SamplingParams(max_tokens=limit), [11], 1)
+        assert (len(t.token_ids), t.finish_reason) == (limit, finish)
 
 
 # --------------------------------------------------------------------------- real runs

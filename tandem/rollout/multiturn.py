@@ -233,10 +233,14 @@ class MultiTurn:
         message = {"role": "assistant", "content": text}
         t.messages.append(message)
         t.shown.append(dict(message))
+        # Truncated only where the last token is not a stop token (TRL's rule, as in one turn): a
+        # turn that ends on its stop token exactly at max_completion_length is a finished answer.
         if out.finish_reason == "error":
             t.finish = "error"
-        elif len(out.token_ids) > room or len(t.ids) >= self.max_length or out.finish_reason == "length":
+        elif len(out.token_ids) > room or out.finish_reason == "length":
             t.finish = "length"
+        elif len(t.ids) >= self.max_length:
+            t.finish = "stop"
         return text
 
     def _respond(self, asking: list[tuple[_Live, str]], last: bool) -> None:
@@ -337,11 +341,14 @@ class RolloutFunction:
     {"completion_ids": every token after the prompt, "loss_mask": 1 on the model's tokens},
     optionally with "messages" (what reward functions get as the completion).
 
-    The model's tokens (loss mask 1), in order, must be exactly the tokens its generate calls
-    returned, in order: a trajectory whose trained tokens the engine did not produce is refused,
-    naming the function. Their log-probs and versions come from those calls, never from the
-    function. The generate calls of all of a round's trajectories that are waiting go to the
-    engine as one batch.
+    Each run of the model's tokens (loss mask 1) must be the whole answer of one generate call
+    made on exactly the tokens before it: prompt_ids and completion_ids up to there. A trajectory
+    whose trained tokens the engine did not produce, or produced after other tokens (a
+    conversation rendered anew for the next call), is refused, naming the function: its
+    behaviour log-probs would belong to another context. Calls whose answers it does not return
+    (best-of-n's other drafts) are not trained. Log-probs and versions come from the calls, never
+    from the function. Each call draws from its own seed, by the order the calls are made in; the
+    generate calls of all of a round's trajectories that are waiting go to the engine as one batch.
     """
 
     def __init__(self, fn: Callable, name: str, tokenizer, max_completion_length: int):
@@ -355,11 +362,14 @@ class RolloutFunction:
         return list(await asyncio.gather(*(self._one(batcher, p, s) for p, s in zip(prompts, seeds))))
 
     async def _one(self, batcher: "_Batcher", prompt: Prompt, seed: int) -> Trajectory:
-        outs: list[Completion] = []
+        calls: list[tuple[list[int], Completion | None]] = []  # (the tokens asked on, the answer), in the order made
 
         async def generate(token_ids: list[int], max_tokens: int | None = None) -> dict:
-            out = await batcher.request(list(token_ids), max_tokens, turn_seed(seed, len(outs)))
-            outs.append(out)
+            index, ids = len(calls), list(token_ids)
+            calls.append((ids, None))
+            # the seed by the call's index when it is made: concurrent calls (asyncio.gather) draw apart
+            out = await batcher.request(ids, max_tokens, turn_seed(seed, index))
+            calls[index] = (ids, out)
             return {"token_ids": list(out.token_ids), "logprobs": list(out.logprobs), "version": out.version, "finish_reason": out.finish_reason}
 
         try:
@@ -368,27 +378,52 @@ class RolloutFunction:
             raise RuntimeError(f"rollout_func {self.name} raised {type(exc).__name__}: {exc}") from exc
         finally:
             batcher.finished()
-        return self._trajectory(result, outs)
+        return self._trajectory(result, list(prompt.ids), [(ids, out) for ids, out in calls if out is not None])
 
-    def _trajectory(self, result, outs: list[Completion]) -> Trajectory:
+    def _trajectory(self, result, prompt_ids: list[int], calls: list[tuple[list[int], Completion]]) -> Trajectory:
         if not isinstance(result, dict) or not {"completion_ids", "loss_mask"} <= result.keys():
             raise ValueError(f"rollout_func {self.name} returned {type(result).__name__}; return a dict with completion_ids and loss_mask")
         ids, mask = list(result["completion_ids"]), [int(m) for m in result["loss_mask"]]
         if len(ids) != len(mask) or set(mask) - {0, 1}:
             raise ValueError(f"rollout_func {self.name}: loss_mask must be 0 or 1 for each of the {len(ids)} completion_ids, got {len(mask)} values")
-        produced = [t for o in outs for t in o.token_ids]
-        if [t for t, m in zip(ids, mask) if m] != produced:
-            raise ValueError(f"rollout_func {self.name}: the tokens it marks as the model's (loss_mask 1) are not, in order, the "
-                             f"{len(produced)} tokens its generate calls returned; never train on tokens the engine did not produce")  # fmt: skip
-        if not outs:
-            raise ValueError(f"rollout_func {self.name} returned a trajectory without calling generate")
-        logprobs = iter(lp for o in outs for lp in o.logprobs)
-        finish = "error" if any(o.finish_reason == "error" for o in outs) else outs[-1].finish_reason
-        if len(ids) >= self.max_length:
+        used = self._answers(prompt_ids, ids, mask, calls)
+        if not used:
+            raise ValueError(f"rollout_func {self.name} returned no model tokens (loss_mask 1); return the answer of at least one generate call")
+        logprobs = iter(lp for o in used for lp in o.logprobs)
+        finish = "error" if any(o.finish_reason == "error" for o in used) else used[-1].finish_reason
+        if len(ids) > self.max_length:
             ids, mask, finish = ids[: self.max_length], mask[: self.max_length], "length"
-        info = {"turns": len(outs), "messages": result.get("messages") or [], "tool_calls": [], "versions": [o.version for o in outs],
+        elif len(ids) == self.max_length and not (mask[-1] and finish == "stop"):
+            finish = "length"  # filled, and its last token is not a stop token (TRL's rule)
+        info = {"turns": len(used), "messages": result.get("messages") or [], "tool_calls": [], "versions": [o.version for o in used],
                 "template_rewrites": 0, "environment_reward": None}  # fmt: skip
-        return Trajectory(ids, [next(logprobs) if m else 0.0 for m in mask], mask, finish, min(o.version for o in outs), None, info)
+        return Trajectory(ids, [next(logprobs) if m else 0.0 for m in mask], mask, finish, min(o.version for o in used), None, info)
+
+    def _answers(self, prompt_ids: list[int], ids: list[int], mask: list[int], calls: list[tuple[list[int], Completion]]) -> list[Completion]:
+        """The calls whose answers the trajectory trains, in its order: each run of model tokens
+        (mask 1) is the whole answer of a call made on prompt_ids + ids up to where it starts."""
+        free, used, pos = [c for c in calls if c[1].token_ids], [], 0
+        while pos < len(ids):
+            if not mask[pos]:
+                pos += 1
+                continue
+            answers = [c for c in free if ids[pos : pos + len(c[1].token_ids)] == c[1].token_ids and all(mask[pos : pos + len(c[1].token_ids)])]
+            match = next((c for c in answers if c[0] == prompt_ids + ids[:pos]), None)
+            if match is None and answers:
+                raise ValueError(
+                    f"rollout_func {self.name}: the model tokens at completion_ids[{pos}:] were generated after other tokens than "
+                    f"prompt_ids + completion_ids[:{pos}], so their log-probs belong to another context (a conversation rendered anew?); "
+                    "ask each generate call on prompt_ids + the completion_ids so far"
+                )
+            if match is None:
+                raise ValueError(
+                    f"rollout_func {self.name}: the model tokens (loss_mask 1) at completion_ids[{pos}:] are not the whole answer of any "
+                    "of its generate calls; never train on tokens the engine did not produce"
+                )
+            free.remove(match)
+            used.append(match[1])
+            pos += len(match[1].token_ids)
+        return used
 
     def close(self) -> None:
         pass
