@@ -60,7 +60,7 @@ def test_the_same_options_keep_trls_default(name):
         "entropy_coef_delta": 0.005, "entropy_target": 0.2, "off_policy_mask_threshold": None, "use_bias_correction_kl": True,
         "model_init_kwargs": None, "trust_remote_code": False, "scale_rewards": "group", "gradient_accumulation_steps": 1,
         "per_device_train_batch_size": 8, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "max_grad_norm": 1.0,
-        "warmup_ratio": 0.0, "seed": 42, "save_total_limit": None, "ddp_timeout": 1800.0, "lr_scheduler_type": "linear",
+        "warmup_ratio": 0.0, "warmup_steps": 0, "seed": 42, "save_total_limit": None, "ddp_timeout": 1800.0, "lr_scheduler_type": "linear",
         "max_tool_calling_iterations": None, "optim": "adamw_torch_fused",
     }  # fmt: skip
     if name not in trl_defaults:
@@ -112,10 +112,9 @@ def test_a_trl_config_runs_as_it_is_with_what_was_mapped_listed(tmp_path):
     cfg = _config(config_file=path)
     assert cfg.rollout_mode == "server" and cfg.rollout_server_urls == ["http://10.0.0.3:8001"]
     assert (cfg.learning_rate, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.loss_type) == (1e-5, 8, 2, "grpo")
-    assert cfg.warmup_ratio == pytest.approx(0.1) and cfg.off_policy_correction == "token_truncate"
+    assert cfg.warmup_steps == 10 and cfg.warmup() == 10 and cfg.off_policy_correction == "token_truncate"
     assert cfg.eval_num_generations == 2 and cfg.scale_rewards == "none" and cfg.max_tool_calling_iterations == 3
     notes = "\n".join(cfg.notes)
-    assert "warmup_steps: warmup_steps 10: warmup_ratio 0.1 of max_steps 100" in notes
     assert "logging_steps: tandem logs every step to metrics.jsonl" in notes
     assert "num_generations_eval -> eval_num_generations 2" in notes
     assert "use_vllm: use_vllm with vllm_mode server: rollout_mode server" in notes
@@ -129,7 +128,12 @@ def test_a_trl_config_runs_as_it_is_with_what_was_mapped_listed(tmp_path):
     "line, message",
     [
         ("use_vllm: true\nvllm_mode: colocate", "vllm_mode='colocate': vLLM inside the training process is not built in tandem"),
-        ("num_train_epochs: 3", "tandem counts optimizer steps: give max_steps"),
+        ("num_train_epochs: 3\nmax_steps: -1", "tandem counts optimizer steps: give max_steps"),
+        ("label_smoothing_factor: 0.1", "label_smoothing_factor=0.1: a transformers TrainingArguments option that tandem does not use; remove it (its default, 0.0"),
+        ("learning_rate: null", "learning_rate: null is not allowed"),
+        ("num_generations_eval: 0", "num_generations_eval (tandem's eval_num_generations)=0: must be >= 1"),
+        ("model_init_kwargs: {dtype: float8}", "model_init_kwargs={'dtype': 'float8'}: its dtype must be one of"),
+        ("warmup_steps: 7.5", "warmup_steps=7.5: must be a whole number of steps, or a share of max_steps"),
         ("gradient_checkpointing_kwargs: {use_reentrant: true}", "only {use_reentrant: false} is accepted"),
         ("vllm_gpu_memory_utilization: 0.9", "give it to the rollout server (`tandem rollout --engine vllm --gpu-memory-utilization`)"),
         ("generation_kwargs: {top_p: 0.9, stop: ['x']}", "['stop'] have no tandem equivalent"),
@@ -169,3 +173,34 @@ def test_generation_batch_size_sets_the_steps_per_generation(monkeypatch):
 def test_the_docs_table_is_the_codes():
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert compat.markdown() in page, "docs/configuration.md's table differs: paste `python -m tandem.trainer.compat` into it"
+
+
+def test_options_read_with_another_see_it_whichever_layer_gave_it(tmp_path):
+    # Resolved one source at a time, YAML warmup_steps 10 with --max_steps 1000 warmed up 100
+    # steps (a ratio of the YAML's own max_steps), 7 of 25 became ceil(0.28 * 25) = 8, and a
+    # YAML host with a port on the command line connected to 127.0.0.1.
+    path = tmp_path / "trl.yaml"
+    path.write_text("warmup_steps: 10\nmax_steps: 100\nuse_vllm: true\nvllm_mode: server\nvllm_server_host: 10.0.0.3\n")
+    cfg = _config("--max_steps", "1000", "--vllm_server_port", "9000", config_file=path)
+    assert (cfg.max_steps, cfg.warmup(), cfg.rollout_server_urls) == (1000, 10, ["http://10.0.0.3:9000"])
+    path.write_text("warmup_steps: 7\nmax_steps: 25\n")
+    assert _config(config_file=path).warmup() == 7 and _config(config_file=path).to_dict()["warmup_steps"] == 7
+    assert _config("--warmup_steps", "0.1", "--max_steps", "25").warmup() == 3  # transformers 5: below 1, a share, rounded up
+    # the command line still overrides the file's option under another name that sets the same one
+    path.write_text("vllm_server_base_url: http://a:1\nrollout_mode: server\n")
+    assert _config("--rollout_server_urls", "http://b:2", config_file=path).rollout_server_urls == ["http://b:2"]
+
+
+def test_a_grpo_config_dumped_by_trl_runs_as_it_is(tmp_path):
+    # tests/trl_grpo_config_dump.yaml: `yaml.safe_dump(GRPOConfig(output_dir="runs/trl", bf16=False).to_dict())`
+    # with trl 1.16.0 and transformers 5.23.0: every option of GRPOConfig and TrainingArguments,
+    # 60 of them null (TRL's defaults), hub_token as its placeholder, max_steps -1 (epochs).
+    dump = Path(__file__).with_name("trl_grpo_config_dump.yaml")
+    cfg = _config("--max_steps", "4", config_file=dump)
+    assert (cfg.eval_num_generations, cfg.num_completions_to_log, cfg.importance_sampling_cap) == (4, 4, 3.0)  # nulls: tandem's defaults
+    assert (cfg.eval_steps, cfg.fsdp, cfg.loss_type, cfg.learning_rate, cfg.gradient_checkpointing) == (0, "", "dapo", 1e-6, True)
+    notes = "\n".join(cfg.notes)
+    assert "num_train_epochs: no effect: max_steps 4 is given" in notes and "TrainingArguments options tandem does not use, at their defaults" in notes
+    # without max_steps its -1 (count epochs instead) is refused naming it
+    with pytest.raises(ConfigError, match=re.escape("num_train_epochs=3.0 in ") + ".*tandem counts optimizer steps"):
+        _config(config_file=dump)

@@ -242,7 +242,7 @@ def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad
         betas=(config.adam_beta1, config.adam_beta2),
         weight_decay=config.weight_decay,
         lr_scheduler_type=config.lr_scheduler_type,
-        warmup_steps=math.ceil(config.warmup_ratio * config.max_steps),
+        warmup_steps=config.warmup(),
         max_steps=config.max_steps,
         sparse_embedding=plan is None and dist.world == 1,
     )

@@ -129,14 +129,17 @@ def _scale_rewards(value, given: dict) -> tuple[dict, str | None]:
     return {"scale_rewards": value}, None
 
 
-def _warmup_steps(value, given: dict) -> tuple[dict, str | None]:
-    steps = int(value)
-    if not steps:
+def _num_train_epochs(value, given: dict) -> tuple[dict, str | None]:
+    """Ignored where max_steps is given, as transformers ignores it then; refused otherwise."""
+    if not _given(value):
         return {}, None
-    max_steps = int(given.get("max_steps", 0))
-    if max_steps < 1:
-        raise Refused("warmup_steps needs max_steps (tandem counts warmup as warmup_ratio of max_steps)")
-    return {"warmup_ratio": steps / max_steps}, f"warmup_steps {steps}: warmup_ratio {steps / max_steps:g} of max_steps {max_steps}"
+    try:
+        max_steps = int(given.get("max_steps", 0))
+    except (TypeError, ValueError):
+        max_steps = 0
+    if max_steps >= 1:
+        return {}, f"no effect: max_steps {max_steps} is given, which overrides it (as in transformers)"
+    raise Refused("tandem counts optimizer steps: give max_steps (a step trains per_device_train_batch_size * gradient_accumulation_steps completions per process)")
 
 
 def _save_strategy(value, given: dict) -> tuple[dict, str | None]:
@@ -171,7 +174,7 @@ OPTIONS: dict[str, Option] = {
     "model_init_kwargs": Option(SAME, "passed to from_pretrained of the policy and the reference"),
     "trust_remote_code": Option(SAME, "passed to the model's and tokenizer's from_pretrained"),
     "router_aux_loss_coef": refuse_if_given("tandem adds no MoE router load-balancing loss; drop router_aux_loss_coef"),
-    "disable_dropout": Option(SAME, "every dropout of the policy and reference off"),
+    "disable_dropout": Option(SAME, "every dropout of the policy and reference off, attention layers' dropout probability too (TRL's leaves that on)"),
     "cast_lm_head_to_fp32": Option(SAME, "the output layer computes in fp32 under bf16"),
     "remove_unused_columns": inert(lambda v: not _bool(v), "tandem passes every dataset column to the reward functions", "give remove_unused_columns false"),
     "num_generations": Option(SAME, "completions per prompt"),
@@ -254,10 +257,10 @@ OPTIONS: dict[str, Option] = {
     "per_device_train_batch_size": Option(SAME, "completions per micro-batch and process"),
     "gradient_accumulation_steps": Option(SAME, "micro-batches per optimizer step"),
     "max_steps": Option(SAME, "optimizer steps"),
-    "num_train_epochs": refuse_if_given("tandem counts optimizer steps: give max_steps (a step trains per_device_train_batch_size * gradient_accumulation_steps completions per process)"),
+    "num_train_epochs": Option(MAPPED, "no effect where max_steps is given (transformers' rule); refused otherwise: tandem counts optimizer steps", _num_train_epochs),
     "lr_scheduler_type": Option(SAME, "transformers' schedule names"),
     "warmup_ratio": Option(SAME, "share of max_steps warming up"),
-    "warmup_steps": Option(MAPPED, "`warmup_ratio` = warmup_steps / max_steps", _warmup_steps),
+    "warmup_steps": Option(SAME, "warm-up steps; a value below 1 is a share of max_steps (transformers 5's)"),
     "weight_decay": Option(SAME, "AdamW weight decay"),
     "adam_beta1": Option(SAME, "AdamW beta1"),
     "adam_beta2": Option(SAME, "AdamW beta2"),
@@ -280,6 +283,9 @@ OPTIONS: dict[str, Option] = {
     "eval_steps": Option(SAME, "steps between evaluations"),
     "per_device_eval_batch_size": inert(lambda v: True, "evaluation generates all its completions as one batch", ""),
     "gradient_checkpointing": Option(SAME, "activation checkpointing of each decoder layer, on by default as in TRL"),
+    "activation_checkpointing": rename("gradient_checkpointing", "`gradient_checkpointing` (transformers 5's new name)"),
+    "activation_checkpointing_kwargs": inert(lambda v: (json.loads(v) if isinstance(v, str) else v) in (None, {}, {"use_reentrant": False}),
+                                             "tandem's checkpointing is non-reentrant", "only {use_reentrant: false} is accepted"),
     "gradient_checkpointing_kwargs": inert(lambda v: (json.loads(v) if isinstance(v, str) else v) in (None, {}, {"use_reentrant": False}),
                                            "tandem's checkpointing is non-reentrant", "only {use_reentrant: false} is accepted"),
     "ddp_timeout": Option(SAME, "seconds a collective may wait"),
@@ -301,33 +307,120 @@ OPTIONS: dict[str, Option] = {
 }
 
 
-def resolve(values: dict, where: str, fields: set[str]) -> tuple[dict, list[str]]:
-    """`values` (a YAML file's or the command line's) with TRL's and ms-swift's names resolved
-    into tandem's options, and the printed list's lines. An option given twice (under two names)
-    or refused is a Refused error naming it."""
+# TRL 1.16's options (GRPOConfig's and the TrainingArguments above) whose default is None: given
+# as null (as a dumped GRPOConfig gives them), they mean the default, tandem's.
+TRL_NULL_DEFAULTS = frozenset({
+    "cache_implementation", "chat_template_kwargs", "deepspeed", "delta", "epsilon_high", "eval_steps", "fsdp", "fsdp_config",
+    "generation_kwargs", "gradient_checkpointing_kwargs", "hub_model_id", "log_completions_hub_repo", "max_tool_calling_iterations", "min_p",
+    "model_init_kwargs", "num_completions_to_print", "num_generations_eval", "off_policy_mask_threshold", "pad_to_multiple_of",
+    "resume_from_checkpoint", "reward_weights", "router_aux_loss_coef", "run_name", "save_total_limit", "transformers_continuous_batching_config",
+    "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_min", "vllm_max_model_length", "vllm_server_base_url",
+    "vllm_structured_outputs_regex", "activation_checkpointing_kwargs", "generation_batch_size", "steps_per_generation",
+})  # fmt: skip
+
+
+def is_null(value) -> bool:
+    """YAML's null, or none/null on the command line."""
+    return value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+
+
+@dataclass
+class Resolved:
+    values: dict  # tandem option -> its value as given (typed by YAML, or text from the command line)
+    notes: list[str]  # what was mapped, for the printed list
+    given_as: dict[str, str]  # tandem option -> the name the user gave it under (TRL's, ms-swift's or its own)
+
+
+def resolve(layers: list[tuple[dict, str]], fields: set[str]) -> Resolved:
+    """The options of `layers`, (values, where) pairs, a YAML file's then the command line's, as
+    tandem's options. A later layer overrides an earlier one's option of the same name, or of
+    another name that sets the same tandem option; then every name is resolved once, over all the
+    layers, so an option read with another (vllm_server_host with vllm_server_port) sees it
+    whichever layer gave it. A null where TRL's default is null means the default. An option given
+    twice in one layer (under two names) or refused is a Refused error naming it as given."""
+    merged: dict = {}
+    where: dict[str, tuple[int, str]] = {}  # key -> (layer, where)
+    for layer, (values, place) in enumerate(layers):
+        for key, value in values.items():
+            merged[key], where[key] = value, (layer, place)
+    sets = {key: _sets(key, value, merged, fields) for key, value in merged.items()}
+    overridden = {key for key in merged for other in merged
+                  if where[other][0] > where[key][0] and _resolver(other) is not _resolver(key) and sets[key] & sets[other]}  # fmt: skip
     out: dict = {}
     given_as: dict[str, str] = {}
     notes: list[str] = []
-    for key, value in values.items():
+    for key, value in merged.items():
         option = OPTIONS.get(key)
+        if key in overridden or (is_null(value) and key in TRL_NULL_DEFAULTS and key not in fields):
+            continue
         if option is None or option.resolve is None:
             if key not in fields:
                 continue  # not an option: the caller's unknown-key error names it
             resolved, note = {key: value}, None
         else:
             try:
-                resolved, note = option.resolve(value, values)
+                resolved, note = option.resolve(value, merged)
             except Refused as exc:
-                raise Refused(f"{key}={value!r} {where}: {exc}") from None
+                raise Refused(f"{key}={value!r} {where[key][1]}: {exc}") from None
         for name, v in resolved.items():
             if name in out and given_as[name] != key and out[name] != v:
-                raise Refused(f"{name} is given twice {where}, as {given_as[name]!r} and as {key!r}; keep one")
+                raise Refused(f"{name} is given twice {where[key][1]}, as {given_as[name]!r} and as {key!r}; keep one")
             out[name], given_as[name] = v, key
         if note:
             notes.append(f"{key}: {note}")
         elif key != next(iter(resolved), key):
             notes.append(f"{key} -> {', '.join(f'{n} {v!r}' for n, v in resolved.items())}")
-    return out, notes
+    return Resolved(out, notes, given_as)
+
+
+def _resolver(key: str):
+    """What resolves `key`: options resolved by one function (vllm_server_host and _port) are one."""
+    option = OPTIONS.get(key)
+    return option.resolve if option is not None and option.resolve is not None else key
+
+
+def _sets(key: str, value, given: dict, fields: set[str]) -> set[str]:
+    """The tandem options `key` sets (none known for a value that is refused: it fails later, by name)."""
+    option = OPTIONS.get(key)
+    if option is None or option.resolve is None:
+        return {key} & fields
+    try:
+        return set(option.resolve(value, given)[0])
+    except (Refused, ValueError, TypeError):
+        return set()
+
+
+def training_argument_default(key: str):
+    """transformers' TrainingArguments default of `key` as a dumped config writes it, or KeyError
+    where `key` is not one of its options. Its import is paid only for such a key."""
+    import dataclasses
+    import enum
+
+    from transformers import TrainingArguments
+
+    declared = {f.name: f for f in dataclasses.fields(TrainingArguments)}[key]
+    default = declared.default_factory() if declared.default is dataclasses.MISSING else declared.default
+    return default.value if isinstance(default, enum.Enum) else default
+
+
+# What a dumped TrainingArguments writes for these defaults (a placeholder, a parsed empty value,
+# accelerate's defaults spelled out).
+_DUMPED_DEFAULTS = {
+    "hub_token": "<HUB_TOKEN>",
+    "debug": [],
+    "accelerator_config": {"split_batches": False, "dispatch_batches": None, "even_batches": True, "use_seedable_sampler": True,
+                           "non_blocking": False, "gradient_accumulation_kwargs": None},
+}  # fmt: skip
+
+
+def unused_training_argument(key: str, value) -> str | None:
+    """Why a transformers TrainingArguments option that tandem does not use cannot be honoured, or
+    None where `value` is its default (as a dumped config writes it). KeyError where `key` is not
+    one of its options."""
+    default = training_argument_default(key)
+    if value == default or (key in _DUMPED_DEFAULTS and value == _DUMPED_DEFAULTS[key]):
+        return None
+    return f"{key}={value!r}: a transformers TrainingArguments option that tandem does not use; remove it (its default, {default!r}, is accepted)"
 
 
 def markdown() -> str:

@@ -59,7 +59,7 @@ class TrainConfig:
     model_init_kwargs: dict | None = opt(None, "Keyword arguments for the policy's and reference's from_pretrained (e.g. {\"attn_implementation\": \"sdpa\"}), as TRL's: the weights load in float32 unless it gives a dtype (bfloat16, float16, or auto for the checkpoint's own); bf16 mixed precision is the bf16 option.", "model and data")
     trust_remote_code: bool = opt(False, "Let the model's and tokenizer's own code run (transformers' trust_remote_code).", "model and data")
     chat_template_kwargs: dict | None = opt(None, "Extra arguments of the chat template, for every prompt (e.g. {\"enable_thinking\": false} for Qwen3).", "model and data")
-    disable_dropout: bool = opt(False, "Turn off every dropout of the policy and the reference model (the LoRA adapters' lora_dropout too).", "model and data")
+    disable_dropout: bool = opt(False, "Turn off every dropout of the policy and the reference model: Dropout modules (the LoRA adapters' lora_dropout too) and attention layers' dropout probability (Qwen2's and Llama's attention_dropout, which TRL's leaves on). Otherwise dropout acts in the training forward, not in generation or the log-probs without gradient.", "model and data")
     cast_lm_head_to_fp32: bool = opt(False, "Compute the output layer (logits) in fp32 when training in bf16, for log-probs closer to the engine's; not with a head tied to the embedding.", "model and data")
 
     # --- generation ---
@@ -115,7 +115,8 @@ class TrainConfig:
     optim: str = opt("adamw_torch_fused", "torch's AdamW kernel (transformers' names and default): 'adamw_torch_fused' updates each weight in one pass, with no temporary copies; 'adamw_torch' runs the update as separate operations, a temporary the size of the largest weight at a time. The two differ by float rounding.", "batch and schedule")
     learning_rate: float = opt(1e-6, "Peak learning rate of AdamW.", "batch and schedule")
     lr_scheduler_type: str = opt("linear", "transformers schedule name: linear, cosine, constant, constant_with_warmup, ...", "batch and schedule")
-    warmup_ratio: float = opt(0.0, "Fraction of max_steps spent warming the learning rate up.", "batch and schedule")
+    warmup_steps: float = opt(0, "Steps warming the learning rate up from 0 (transformers' and TRL's): a whole number of steps, or a value below 1 as a share of max_steps.", "batch and schedule")
+    warmup_ratio: float = opt(0.0, "Share of max_steps warming the learning rate up, rounded up to whole steps (transformers 4's; warmup_steps below 1 says the same).", "batch and schedule")
     weight_decay: float = opt(0.0, "AdamW weight decay.", "batch and schedule")
     adam_beta1: float = opt(0.9, "AdamW beta1.", "batch and schedule")
     adam_beta2: float = opt(0.999, "AdamW beta2.", "batch and schedule")
@@ -183,6 +184,9 @@ class TrainConfig:
 
     def __post_init__(self):
         self.notes: list[str] = []  # what TRL's and ms-swift's names given were mapped to (config_from_args); not an option
+        self.given_as: dict[str, str] = {}  # option -> the name the user gave it under, for messages (config_from_args); not an option
+        if isinstance(self.warmup_steps, float) and self.warmup_steps >= 1 and self.warmup_steps.is_integer():
+            self.warmup_steps = int(self.warmup_steps)  # a count of steps stays one, printed and saved as such
         if self.generation_batch_size is not None:
             self._steps_from_generation_batch_size()
         if self.steps_per_generation is None:
@@ -259,7 +263,7 @@ class TrainConfig:
 
         def need(ok: bool, name: str, fix: str) -> None:
             if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: {fix}")
+                raise ConfigError(f"{self.named(name)}={getattr(self, name)!r}: {fix}")
 
         self._validate_run(need)
         self._validate_batch(need)
@@ -270,6 +274,18 @@ class TrainConfig:
             self.sampling_params().validate()
         except ValueError as exc:
             raise ConfigError(str(exc).replace("max_tokens", "max_completion_length")) from None
+
+    def named(self, name: str) -> str:
+        """An option as the user wrote it: under TRL's or ms-swift's name where given so."""
+        given = self.given_as.get(name, name)
+        return name if given == name else f"{given} (tandem's {name})"
+
+    def warmup(self) -> int:
+        """Warm-up steps: warmup_steps (below 1, a share of max_steps, as transformers 5 reads it),
+        else warmup_ratio of max_steps, rounded up (transformers 4's)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil((self.warmup_steps or self.warmup_ratio) * self.max_steps)
 
     def _validate_tools(self, need) -> None:
         from tandem.rollout.tools import TOOL_PARSERS
@@ -345,6 +361,9 @@ class TrainConfig:
         need(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
         need(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
         need(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        need(self.warmup_steps >= 0 and (self.warmup_steps < 1 or float(self.warmup_steps).is_integer()), "warmup_steps",
+             "must be a whole number of steps, or a share of max_steps in [0, 1)")  # fmt: skip
+        need(not (self.warmup_steps and self.warmup_ratio), "warmup_steps", f"and warmup_ratio={self.warmup_ratio} both given; keep one")
         need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
 
     def _validate_loss_and_rewards(self, need) -> None:
@@ -506,11 +525,11 @@ def _fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def _resolve_names(values: dict, where: str) -> tuple[dict, list[str]]:
-    """TRL's and ms-swift's names resolved into tandem's options (tandem.trainer.compat), with the
-    lines that say what was mapped; a refused one is a config error naming it."""
+def _resolve_names(layers: list[tuple[dict, str]]) -> compat.Resolved:
+    """TRL's and ms-swift's names resolved into tandem's options over every layer at once
+    (tandem.trainer.compat); a refused one is a config error naming it."""
     try:
-        return compat.resolve(values, where, set(_fields()))
+        return compat.resolve(layers, set(_fields()))
     except compat.Refused as exc:
         raise ConfigError(str(exc)) from None
 
@@ -555,20 +574,6 @@ def _parse_mapping(text: str, name: str) -> dict:
     return value
 
 
-def _check_yaml_value(name: str, value):
-    """Coerce a YAML value to the field's type, or fail naming the field."""
-    kind, is_list, optional = _base_type(_fields()[name].type)
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{name}: null is not allowed; remove the key to use the default")
-    if is_list:
-        if not isinstance(value, list):
-            value = [value]
-        return [_check_scalar(kind, v, name) for v in value]
-    return _check_scalar(kind, value, name)
-
-
 def _check_scalar(kind, value, name):
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -581,13 +586,36 @@ def _check_scalar(kind, value, name):
     return value
 
 
-def load_yaml(path: str | Path) -> dict:
-    """A config file's options, TRL's and ms-swift's names resolved into tandem's."""
-    return read_config(path)[0]
+def _typed(resolved: compat.Resolved) -> dict:
+    """Each resolved option's value in its field's type: text (the command line's) parsed, YAML's
+    values checked. A null means None where the option takes none, the default where TRL's
+    default is null, and is refused elsewhere. Messages name each option as the user wrote it."""
+    values = {}
+    for name, raw in resolved.values.items():
+        shown = resolved.given_as.get(name, name)
+        kind, is_list, optional = _base_type(_fields()[name].type)
+        texts = [raw] if isinstance(raw, str) else raw if isinstance(raw, list) and all(isinstance(r, str) for r in raw) else None
+        null = raw is None or (texts is not None and len(texts) == 1 and compat.is_null(texts[0]) and (optional or shown in compat.TRL_NULL_DEFAULTS))
+        if null:
+            if optional:
+                values[name] = None
+            elif shown not in compat.TRL_NULL_DEFAULTS:  # there, TRL's default: tandem's default
+                raise ConfigError(f"{shown}: null is not allowed; remove it to use the default")
+        elif texts is not None and (is_list or isinstance(raw, str)):
+            parsed = [_parse_scalar(kind, t, shown, False) for t in texts]
+            values[name] = parsed if is_list else parsed[0]
+        elif is_list:
+            values[name] = [_check_scalar(kind, v, shown) for v in (raw if isinstance(raw, list) else [raw])]
+        else:
+            values[name] = _check_scalar(kind, raw, shown)
+    return values
 
 
-def read_config(path: str | Path) -> tuple[dict, list[str]]:
-    """A config file's options, and the lines saying what was mapped from TRL's and ms-swift's names."""
+def read_file(path: str | Path) -> tuple[dict, list[str]]:
+    """A config file's options as written, TRL's and ms-swift's names not yet resolved, and a note
+    on the transformers TrainingArguments options it sets to their defaults (a dumped GRPOConfig
+    holds them all), which are dropped. An unknown key, or such an option at another value, is an
+    error naming it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -598,13 +626,24 @@ def read_config(path: str | Path) -> tuple[dict, list[str]]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option: value")
     known = [*_fields(), *compat.OPTIONS]
-    for key in data:
-        if key not in known:
+    unused = []
+    for key in [k for k in data if k not in known]:
+        try:
+            refusal = compat.unused_training_argument(key, data[key])
+        except KeyError:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else "; see `tandem train --help` for the options"
-            raise ConfigError(f"unknown key {key!r} in {path}{hint}")
-    resolved, notes = _resolve_names(data, f"in {path}")
-    return {k: _check_yaml_value(k, v) for k, v in resolved.items()}, notes
+            raise ConfigError(f"unknown key {key!r} in {path}{hint}") from None
+        if refusal:
+            raise ConfigError(f"{refusal} (in {path})")
+        unused.append(data.pop(key))
+    notes = [f"{len(unused)} transformers TrainingArguments options tandem does not use, at their defaults: no effect"] if unused else []
+    return data, notes
+
+
+def load_yaml(path: str | Path) -> dict:
+    """A config file's options, TRL's and ms-swift's names resolved into tandem's, typed."""
+    return _typed(_resolve_names([(read_file(path)[0], f"in {path}")]))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -632,26 +671,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the YAML file, then the command line; validated."""
-    values, notes = read_config(args.config) if getattr(args, "config", None) else ({}, [])
+    """Defaults, then the YAML file, then the command line, their names resolved together; validated."""
+    layers, notes = [], []
+    if getattr(args, "config", None):
+        values, notes = read_file(args.config)
+        layers.append((values, f"in {args.config}"))
     given = {k: v for k, v in vars(args).items() if k in _fields()}
     given |= {k: v[0] if len(v) == 1 else v for k, v in vars(args).items() if k in compat.OPTIONS and k not in _fields()}
-    given, cli_notes = _resolve_names(given, "on the command line")
-    for name, f in _fields().items():
-        if name not in given:
-            continue
-        kind, is_list, optional = _base_type(f.type)
-        raw = given[name]
-        if not (isinstance(raw, str) or (isinstance(raw, list) and all(isinstance(r, str) for r in raw))):
-            values[name] = _check_yaml_value(name, raw)  # a mapped name's value, typed already
-        elif is_list:
-            if optional and len(raw) == 1 and raw[0].lower() in ("none", "null"):
-                values[name] = None
-            else:
-                values[name] = [_parse_scalar(kind, r, name, False) for r in raw]
-        else:
-            values[name] = _parse_scalar(kind, raw, name, optional)
-    config = TrainConfig(**values)
-    config.notes = notes + cli_notes
+    layers.append((given, "on the command line"))
+    resolved = _resolve_names(layers)
+    config = TrainConfig(**_typed(resolved))
+    config.notes, config.given_as = notes + resolved.notes, resolved.given_as
     config.validate()
     return config
