@@ -15,6 +15,7 @@ from tandem.algo import (
     next_entropy_coef,
     off_policy_sequence_mask,
     policy_loss,
+    step_token_normalizers,
     token_logprobs,
 )
 from tandem.algo.losses import get_reduction
@@ -170,6 +171,34 @@ def test_clip_metrics_and_clipped_tokens_get_no_gradient():
     assert g[0, 1].item() == pytest.approx(-1.0 * 1.0 / 5)
     assert g[0, 2].item() == pytest.approx(-1.0 * 0.5 / 5)
     assert g[1, 0].item() == pytest.approx(2.0 * 1.1 / 5)
+
+
+def test_at_sequence_level_the_clip_metrics_are_shares_of_sequences_as_trls():
+    # GSPO's ratio is one per sequence: row 0's exp(mean(ln 1.5, 0, ln 0.5)) = 0.9086 with A = 1;
+    # row 1's exp(mean(ln 1.1, ln 0.7)) = 0.8775 with A = -2, and epsilon 0.1 puts it under 0.9:
+    # clipped low. One sequence of two: 0.5 (counted by tokens it was 2 of 5, 0.4). A third row
+    # without a loss token (truncated and masked) counts in neither share.
+    lp = torch.cat([RATIOS.log(), torch.tensor([[math.log(2.0)] * 3])])  # (3, 3)
+    mask, adv = torch.cat([MASK, torch.zeros(1, 3)]), torch.tensor([1.0, -2.0, 1.0])
+    kw = dict(norm=Normalisation(4), importance_sampling_level="sequence", epsilon_low=0.1, epsilon_high=0.1)
+    _, metrics = policy_loss(lp, torch.zeros(3, 3), adv, mask, loss_type="grpo", **kw)
+    assert (metrics["clip_ratio/low_mean"].item(), metrics["clip_ratio/high_mean"].item(), metrics["clip_ratio/region_mean"].item()) == (0.5, 0.0, 0.5)
+    # cispo's share at sequence level: row 0's ratio exp(mean(ln 3, ln 3, ln 3)) = 3 > epsilon_high 2 with A > 0
+    lp = torch.tensor([[math.log(3.0)] * 3, [0.0, 0.0, 0.0]])
+    _, metrics = policy_loss(lp, torch.zeros(2, 3), ADV, MASK, loss_type="cispo", norm=Normalisation(4, step_tokens=5.0),
+                             importance_sampling_level="sequence", epsilon_high=2.0)  # fmt: skip
+    assert metrics["cispo_clip_ratio"].item() == 0.5  # (by tokens 3 of 5)
+
+
+def test_dapos_divisor_is_each_steps_own_tokens_or_trls_mean_over_the_round():
+    # A round of 2 passes (num_iterations) x 3 optimizer steps of 12, 4 and 8 loss tokens (then
+    # 6, 6, 12): 'step' divides each by its own; 'round_mean' by the round's 24 / 3 = 8 for every
+    # step, TRL 1.16's generation batch tokens x GA / steps_per_generation.
+    counts = torch.tensor([[12.0, 4.0, 8.0], [6.0, 6.0, 12.0]])
+    assert torch.equal(step_token_normalizers(counts, "step"), counts)
+    assert torch.equal(step_token_normalizers(counts, "round_mean"), torch.full((2, 3), 8.0))
+    with pytest.raises(ValueError, match="unknown token_normalizer 'tokens'; valid names: step, round_mean"):
+        step_token_normalizers(counts, "tokens")
 
 
 def test_epsilon_high_widens_only_the_upper_bound():

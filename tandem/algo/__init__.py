@@ -6,6 +6,7 @@ from tandem.algo.logprobs import entropy_from_logits, scaled, selective_log_soft
 from tandem.algo.losses import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
+    TOKEN_NORMALIZERS,
     Normalisation,
     Objective,
     entropy_bonus,
@@ -15,6 +16,7 @@ from tandem.algo.losses import (
     off_policy_sequence_mask,
     policy_loss,
     register_loss,
+    step_token_normalizers,
 )
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "LOSS_TYPES",
     "OFF_POLICY_CORRECTIONS",
     "SCALE_REWARDS",
+    "TOKEN_NORMALIZERS",
     "Normalisation",
     "Objective",
     "entropy_bonus",
@@ -37,6 +40,7 @@ __all__ = [
     "register_loss",
     "scaled",
     "selective_log_softmax",
+    "step_token_normalizers",
     "token_logprobs",
     "zero_std_groups",
 ]

@@ -38,7 +38,7 @@ class Normalisation:
 
     max_completion_length: int
     grad_accum: int = 1  # micro-batches summed into one optimizer step
-    step_tokens: float = 0.0  # completion tokens in the optimizer step, all ranks and micro-batches
+    step_tokens: float = 0.0  # dapo's divisor: the step's loss tokens, all ranks and micro-batches (step_token_normalizers)
     world_size: int = 1
 
 
@@ -116,6 +116,25 @@ def _dapo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> t
     # A step with no loss tokens (every completion truncated and masked) has loss 0, not 0/0;
     # TRL clamps the count to at least 1 the same way.
     return (per_token * mask).sum() * norm.world_size / max(norm.step_tokens, 1.0)
+
+
+# What dapo's reduction (dapo, cispo, vespo) divides each optimizer step's token sum by, from the
+# loss-token counts (num_iterations, steps_per_pass) of a round's steps over every rank:
+#   step        each step's own count: the token mean of the batch the step trains (DAPO, eq. 12)
+#   round_mean  the round's count / steps per pass, alike for every step of the pass (TRL 1.16's:
+#               it divides by the generation batch's tokens x GA / steps_per_generation). The
+#               two differ only when a round is several optimizer steps.
+TOKEN_NORMALIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "step": lambda counts: counts,
+    "round_mean": lambda counts: counts.sum(-1, keepdim=True).expand_as(counts) / counts.shape[-1],
+}
+
+
+def step_token_normalizers(counts: torch.Tensor, how: str) -> torch.Tensor:
+    """(num_iterations, steps_per_pass) loss-token counts -> what each step's dapo reduction divides by."""
+    if how not in TOKEN_NORMALIZERS:
+        raise ValueError(f"unknown token_normalizer {how!r}; valid names: {', '.join(TOKEN_NORMALIZERS)}")
+    return TOKEN_NORMALIZERS[how](counts)
 
 
 @register_reduction("luspo")
@@ -205,7 +224,7 @@ def _clip(*, ratio, adv, mask, opts: Objective, **_) -> tuple[torch.Tensor, dict
     unclipped = ratio if opts.delta is None else torch.clamp(ratio, max=opts.delta)
     clipped = torch.clamp(ratio, 1 - opts.epsilon_low, 1 + opts.epsilon_high)
     per_token = -torch.min(unclipped * adv, clipped * adv)  # (N, T) or (N, 1)
-    return per_token, _clip_ratios(ratio.expand_as(mask), adv, mask, opts.epsilon_low, opts.epsilon_high)
+    return per_token, _clip_ratios(ratio, adv, mask, opts.epsilon_low, opts.epsilon_high)
 
 
 @register_objective("cispo")
@@ -213,8 +232,8 @@ def _cispo(*, logprobs, ratio, adv, mask, opts: Objective, **_) -> tuple[torch.T
     """-sg(min(r, epsilon_high)) A log pi: the clamp bounds the weight, not the gradient's reach
     (TRL's cispo: epsilon_high is the weight's upper bound itself, e.g. 5, not 1 + epsilon_high)."""
     weight = torch.clamp(ratio, max=opts.epsilon_high).detach()
-    clipped = ((ratio > opts.epsilon_high) & (adv > 0)).expand_as(mask).to(mask.dtype)
-    return -weight * adv * logprobs, {"cispo_clip_ratio": _masked_mean(clipped, mask).detach()}
+    clipped = ((ratio > opts.epsilon_high) & (adv > 0)).to(mask.dtype)  # (N, T) or (N, 1)
+    return -weight * adv * logprobs, {"cispo_clip_ratio": _share(clipped, mask).detach()}
 
 
 @register_objective("sapo")
@@ -244,15 +263,26 @@ def _vespo(*, logprobs, token_log_ratio, adv, mask, is_weights, opts: Objective,
     return -phi * adv * logprobs, {"vespo/phi_seq_mean": phi.mean()}
 
 
+def _share(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The share of flagged tokens (N, T), or with one flag a sequence (N, 1), of the sequences
+    (importance_sampling_level sequence): TRL 1.16's metrics, in its code and docs. A sequence
+    without a loss token (truncated and masked) counts in neither; TRL's code counts it unflagged."""
+    if flags.shape[-1] != 1:
+        return _masked_mean(flags, mask)
+    trained = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)  # (N, 1)
+    return (flags * trained).sum() / trained.sum().clamp(min=1.0)
+
+
 def _clip_ratios(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float) -> dict[str, torch.Tensor]:
-    """The share of tokens whose ratio (N, T) the clip holds at its low or high bound (where that
-    bound binds: a negative or a positive advantage (N, 1)), as TRL reports them."""
-    low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)  # (N, T)
-    high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)  # (N, T)
+    """The share of tokens, or of sequences (a ratio (N, 1)), whose ratio (N, T) the clip holds at
+    its low or high bound (where that bound binds: a negative or a positive advantage (N, 1)), as
+    TRL reports them."""
+    low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)  # (N, T) or (N, 1)
+    high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)  # (N, T) or (N, 1)
     return {
-        "clip_ratio/low_mean": _masked_mean(low, mask).detach(),
-        "clip_ratio/high_mean": _masked_mean(high, mask).detach(),
-        "clip_ratio/region_mean": _masked_mean(low + high, mask).detach(),
+        "clip_ratio/low_mean": _share(low, mask).detach(),
+        "clip_ratio/high_mean": _share(high, mask).detach(),
+        "clip_ratio/region_mean": _share(low + high, mask).detach(),
     }
 
 

@@ -67,6 +67,7 @@ class Schedule:
     micro_batch: int  # completions per micro-batch
     max_completion_length: int
     mask_truncated: bool
+    token_normalizer: str  # dapo's divisor of each step (tandem.algo.step_token_normalizers)
     seed: int
     save_steps: int
     eval_steps: int
@@ -395,6 +396,7 @@ def _schedule(config: TrainConfig, tool_names: list[str] | None) -> Schedule:
         micro_batch=config.per_device_train_batch_size,
         max_completion_length=config.max_completion_length,
         mask_truncated=config.mask_truncated_completions,
+        token_normalizer=config.token_normalizer,
         seed=config.seed,
         save_steps=config.save_steps,
         eval_steps=config.eval_steps,

@@ -223,7 +223,7 @@ OPTIONS: dict[str, Option] = {
     "multi_objective_aggregation": inert(lambda v: v == "sum_then_normalize", "tandem sums the weighted rewards, then normalises them in the group",
                                          "normalize_then_sum (GDPO) is not built: give sum_then_normalize"),  # fmt: skip
     "scale_rewards": Option(MAPPED, "`scale_rewards` (group, batch, none; TRL's older true/false are group and none)", _scale_rewards),
-    "loss_type": Option(SAME, "grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, vespo"),
+    "loss_type": Option(SAME, "grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, vespo; dapo, cispo and vespo over several optimizer steps a round: TRL's divisor with token_normalizer round_mean"),
     "mask_truncated_completions": Option(SAME, "truncated completions out of the loss"),
     "sync_ref_model": Option(SAME, "TR-DPO's moving reference (not with LoRA, as in TRL)"),
     "ref_model_mixup_alpha": Option(SAME, "TR-DPO's alpha"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRECTIONS, SCALE_REWARDS
+from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRECTIONS, SCALE_REWARDS, TOKEN_NORMALIZERS
 from tandem.data import PROMPT_TRUNCATION
 from tandem.rewards import ON_TIMEOUT
 from tandem.rollout.types import SamplingParams
@@ -146,6 +146,7 @@ class TrainConfig:
     delta: float | None = opt(None, "Upper clamp of the unclipped ratio (two-sided clipping); must exceed 1 + epsilon_high.", "loss")
     importance_sampling_level: str = opt("token", "'token' ratio per token, or 'sequence' (GSPO) one ratio per completion.", "loss")
     scale_rewards: str = opt("group", "Divide advantages by the std of the 'group', the 'batch', or 'none' (Dr. GRPO).", "loss")
+    token_normalizer: str = opt("step", "What dapo, cispo and vespo divide an optimizer step's token sum by: 'step', the loss tokens of that step over every process (DAPO's token mean of the batch trained); 'round_mean', the round's loss tokens over its steps, alike for each (TRL 1.16's: a TRL config keeps TRL's numbers). The two differ only when steps_per_generation > gradient_accumulation_steps.", "loss")
     mask_truncated_completions: bool = opt(False, "Leave completions that hit max_completion_length out of the loss.", "loss")
     use_bias_correction_kl: bool = opt(True, "Weight the per-token KL by the ratio current/proximal (with its gradient), as TRL 1.16 does by default: the KL of samples from the proximal policy, made the current one's. Only with beta > 0.", "loss")
     sapo_temperature_pos: float = opt(1.0, "loss_type sapo: the gate's temperature for positive advantages.", "loss")
@@ -354,6 +355,7 @@ class TrainConfig:
         need(self.max_completion_length >= 1, "max_completion_length", "must be >= 1")
         need(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1 or none")
         need(self.prompt_truncation in PROMPT_TRUNCATION, "prompt_truncation", f"must be one of {PROMPT_TRUNCATION}")
+        need(self.token_normalizer in TOKEN_NORMALIZERS, "token_normalizer", f"must be one of {tuple(TOKEN_NORMALIZERS)}")
         need(self.optim in OPTIMIZERS, "optim", f"must be one of {OPTIMIZERS}")
         need(self.learning_rate > 0, "learning_rate", "must be > 0")
         need(self.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type", f"unknown; valid names: {', '.join(SCHEDULERS)}")
@@ -468,6 +470,8 @@ class TrainConfig:
             **{f"entropy_{k}": (not self.use_adaptive_entropy, "use_adaptive_entropy true") for k in ("coef_min", "coef_max", "coef_delta", "target")},
             **{f"ref_model_{k}": (not self.sync_ref_model, "sync_ref_model true") for k in ("mixup_alpha", "sync_steps")},
             "cast_lm_head_to_fp32": (not self.bf16, "bf16 true (in fp32 the head computes in fp32 already)"),
+            "token_normalizer": (self.loss_type not in ("dapo", "cispo", "vespo") or self.steps_per_generation == self.gradient_accumulation_steps,
+                                 "loss_type dapo, cispo or vespo and steps_per_generation > gradient_accumulation_steps"),
             **{k: (not (self.tools or self.environment_factory), "tools or environment_factory")
                for k in ("max_tool_calling_iterations", "tool_parser", "tool_timeout", "max_tool_response_tokens")},
         }

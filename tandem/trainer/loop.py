@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem import rewards as rewards_lib
-from tandem.algo import Normalisation, group_advantages
+from tandem.algo import Normalisation, group_advantages, step_token_normalizers
 from tandem.rollout.client import RolloutServerError
 from tandem.rollout.types import Rollout
 from tandem.trainer import metrics
@@ -52,7 +52,7 @@ class Prepared:
     behav_logps: torch.Tensor | None  # (N_rank, C) behaviour policy, from a rollout server
     staleness: dict  # versions behind, over every rank (async)
     orders: list[list[int]]  # per pass, the seeded order its micro-batches take the sequences in
-    step_tokens: torch.Tensor  # (num_iterations, steps_per_pass) completion tokens of each step, over every rank
+    step_tokens: torch.Tensor  # (num_iterations, steps_per_pass) dapo's divisor of each step: its loss tokens over every rank, or their round's mean
 
 
 def train(config: TrainConfig) -> dict:
@@ -197,7 +197,7 @@ def prepare_collective(run: Run, rnd: Round) -> Prepared:
         for step in range(s.steps_per_pass):
             idx = [i for mb in _micro_batches(s, order, step) for i in mb]  # the step's sequences, as trained
             counts[it, step] = sum(rollouts[i].model_tokens for i in idx if rollouts[i].in_loss(s.mask_truncated))
-    step_tokens = dist.sum_collective(counts, "step tokens")
+    step_tokens = step_token_normalizers(dist.sum_collective(counts, "step tokens"), s.token_normalizer)
     return Prepared(rollouts, table, all_rewards, advantages, advantages[dist.rank * n : (dist.rank + 1) * n], adv_stats, lengths, truncated,
                     resampling, old_logps, ref_logps, behav_logps, staleness, orders, step_tokens)  # fmt: skip
 
