@@ -304,16 +304,19 @@ def _return_freed_memory() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 2 a user's mistake (a config value, a dataset, a reward function), one
-    message naming it and the fix, the traceback only with TANDEM_DEBUG=1; 1 a failure (a server
-    gone, a round never came, a checkpoint the disk could not hold, a non-finite step under
+    message naming it and the fix, the traceback only with TANDEM_DEBUG=1 (a reward function, a
+    tool's environment or a rollout_func that fails included); 1 a failure (a server
+    gone, a round never came, a checkpoint or log line the disk could not hold, a non-finite step under
     on_nonfinite error); 143 stopped by SIGTERM, with a checkpoint."""
     _return_freed_memory()
     with _collector_paused():
         from tandem.data import DataError
         from tandem.rewards import RewardError
         from tandem.rollout.client import RolloutServerError
+        from tandem.rollout.multiturn import TrajectoryError
         from tandem.trainer.checkpoint import CheckpointError
         from tandem.trainer.config import ConfigError
+        from tandem.trainer.metrics import LogWriteError
         from tandem.trainer.producer import RoundTimeout
 
         parser = build_parser()
@@ -323,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     _log_to_stderr()
     try:
         return args.run(args)
-    except (ConfigError, DataError, RewardError, FileNotFoundError) as exc:
+    except (ConfigError, DataError, RewardError, TrajectoryError, FileNotFoundError) as exc:
         _report(f"{'config error: ' if isinstance(exc, ConfigError) else ''}{exc}")
         return 2
-    except (RolloutServerError, RoundTimeout, CheckpointError) as exc:
+    except (RolloutServerError, RoundTimeout, CheckpointError, LogWriteError) as exc:
         _report(str(exc))
         return 1
 

@@ -222,3 +222,9 @@ def test_bf16_default_follows_the_hardware(monkeypatch, cuda, native_cpu, reques
     assert (warning is not None) is warns
     if warns:
         assert "--bf16 true" in warning and "AVX512-BF16" in warning
+
+
+def test_an_environment_run_without_reward_funcs_is_told_to_give_environment():
+    args = build_parser().parse_args(BASE[:-2] + ["--environment_factory", "env.py:Game"])
+    with pytest.raises(ConfigError, match="reward_funcs=\\[\\]: give at least one: --reward_funcs environment, the environment's get_reward"):
+        config_from_args(args)

@@ -40,6 +40,12 @@ def test_every_format_loads_the_same_rows(tmp_path, fmt):
         ([{"question": "x"}], "no 'prompt' column"),
         ([{"prompt": "ok"}, {"prompt": ""}], "row 1: 'prompt' is an empty string"),
         ([{"prompt": [{"role": "user"}]}], "row 0: message 0 must be a dict with string 'role' and 'content'"),
+        # a string tool_calls reached the chat template, which failed with a jinja2 error naming no row
+        ([{"prompt": [{"role": "assistant", "content": "", "tool_calls": "calculator(1)"}, {"role": "user", "content": "?"}]}],
+         "row 0: message 0's tool_calls must be a list of"),
+        ([{"prompt": "ok"}, {"prompt": [{"role": "", "content": "x"}]}], "row 1: message 0 has role ''; chat templates know system"),
+        ([{"prompt": [{"role": "narrator", "content": "x"}]}], "row 0: message 0 has role 'narrator'"),
+        ([{"prompt": "ok", "tools": "calculator"}], "has a 'tools' column: tools are not read per row"),
     ],
 )
 def test_bad_rows_name_the_row(tmp_path, rows, message):
@@ -151,3 +157,10 @@ def test_chat_template_kwargs_reach_the_template(tiny_model):
     assert prompt_text(tok, ROWS[0]["prompt"]) == "0+1="
     assert prompt_text(tok, ROWS[0]["prompt"], {"enable_thinking": False}) == "0+1=<think></think>"
     assert encode_prompt(tok, ROWS[0]["prompt"], None, "error", {"enable_thinking": False}) == tok("0+1=<think></think>", add_special_tokens=False)["input_ids"]
+
+
+def test_a_chat_template_that_fails_on_a_prompt_is_a_data_error(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = "{{ raise_exception('this template takes no system message') }}"
+    with pytest.raises(DataError, match="the chat template could not render the prompt .*this template takes no system message"):
+        prompt_text(tok, [{"role": "system", "content": "x"}])

@@ -22,8 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import ENV, cli_here, command, same_collectives, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.init_model import CHAT_TEMPLATE, build_tokenizer, save, warmup_sft
-from tandem.rollout.multiturn import MultiTurn, Prompt, RolloutFunction, TemplateGlue, encode_conversation, turn_seed
+from tandem.rollout.multiturn import MultiTurn, Prompt, RolloutFunction, TemplateGlue, TrajectoryError, encode_conversation, turn_seed
 from tandem.rollout.tools import ToolCall, ToolRunner, calculator, environment_tools, load_tools, make_tool, parse_hermes
+from tandem.rewards import NamedReward, score
 from tandem.rollout.types import Completion, SamplingParams
 
 # --------------------------------------------------------------------------- the calculator
@@ -38,11 +39,14 @@ def test_calculator_is_exact_on_numbers_too_long_for_floats():
 
 @pytest.mark.parametrize(
     "expression",
-    ["__import__('os').system('true')", "x + 1", "(1).real", "[1, 2][0]", "'a' * 3", "lambda: 1", "9 ** 9 ** 9", "(10 ** 100) ** 5000"],
+    ["__import__('os').system('true')", "x + 1", "(1).real", "[1, 2][0]", "'a' * 3", "lambda: 1", "9 ** 9 ** 9", "(10 ** 100) ** 5000",
+     "9 ** 4000 * 9 ** 4000 % 7", "(2 ** 10000 - 1) * (2 ** 10000 - 1) // 3"],
 )
 def test_calculator_runs_nothing_but_arithmetic(expression):
     # names, calls, attributes, subscripts, strings and lambdas are refused before anything runs;
-    # so is a power whose result would take the CPU for hours (9 ** 9 ** 9 has 370 million digits)
+    # so is a power whose result would take the CPU for hours (9 ** 9 ** 9 has 370 million digits),
+    # and a product past about 4,300 digits: % and // on products of large powers held the GIL for
+    # seconds, past tool_timeout (a thread cannot be stopped)
     with pytest.raises(ValueError):
         calculator(expression)
 
@@ -62,6 +66,14 @@ def test_hermes_finds_each_call_and_turns_malformed_ones_into_errors():
     assert [c.error is None for c in calls] == [True, True, False, False, False]
     assert "not valid JSON" in calls[2].error and '{"name"' in calls[3].error and "not closed" in calls[4].error
     assert parse_hermes("no call here") == []
+
+
+def test_a_call_the_parser_cannot_read_gives_the_model_an_error():
+    # ~1000 nested arrays ran json past the stack (RecursionError), an integer of 5,000 digits past
+    # Python's conversion limit (ValueError): both ended the run from inside the parser.
+    for body in ["[" * 100_000 + "]" * 100_000, '{"name": "calculator", "arguments": {"x": ' + "9" * 5000 + "}}"]:
+        (call,) = parse_hermes(f"<tool_call>{body}</tool_call>")
+        assert call.name == "invalid_call" and call.error.startswith(("the tool call cannot be read", "the tool call is not valid JSON")), call.error
 
 
 # --------------------------------------------------------------------------- running tools
@@ -97,6 +109,80 @@ def test_a_tool_that_fails_in_any_way_gives_the_model_an_error_and_the_run_goes_
     assert "there is no tool 'nope'" in contents[4] and results[4].name == "unknown_tool" and "not valid JSON" in contents[5]
     assert contents[6] == "42" and all(c.startswith("error: ") for c in contents[:6])
     runner.close()
+
+
+def test_a_tool_that_calls_sys_exit_is_a_failed_call_naming_it():
+    # Tools run in the trainer's process: a tool's sys.exit(0) ended runs with code 0 after training nothing.
+    def quits(x: int) -> str:
+        """Exit.
+
+        Args:
+            x: ignored
+        """
+        raise SystemExit(0)
+
+    async def quits_async(x: int) -> str:
+        """Exit.
+
+        Args:
+            x: ignored
+        """
+        raise SystemExit(3)
+
+    tools = {t.name: t for t in [make_tool(f, f.__name__) for f in (quits, quits_async)]}
+    runner = ToolRunner(timeout=5)
+    results = runner.run([(tools, ToolCall("quits", {"x": 1})), (tools, ToolCall("quits_async", {"x": 1}))])
+    assert [r.content for r in results] == ["error: quits called sys.exit(0); a tool must return its result",
+                                           "error: quits_async called sys.exit(3); a tool must return its result"]  # fmt: skip
+    assert runner.run([(tools, ToolCall("nope", {}))])[0].name == "unknown_tool"  # the runner, and its loop, go on
+    runner.close()
+
+
+def test_what_async_tools_rewards_and_agents_keep_across_rounds_stays_usable():
+    # Each round ran in a fresh asyncio.run: a lock (a semaphore, an HTTP client) made in round 0
+    # was bound to round 0's loop, and every later round's calls failed with it. The agent holds
+    # its lock across its generate call, so the other trajectory waits on the lock, not on
+    # generate: its batch goes once no call has come for a moment (it used to wait forever).
+    kept = {}
+
+    async def guarded(x: int) -> str:
+        """Use a lock made at the first call.
+
+        Args:
+            x: a number
+        """
+        lock = kept.setdefault("tool", asyncio.Lock())
+        async with lock:
+            await asyncio.sleep(0)
+            return str(x)
+
+    tools = {"guarded": make_tool(guarded, "guarded")}
+    runner = ToolRunner(timeout=5)
+    for round_ in range(3):  # two calls at once, so the lock is waited on
+        assert [r.content for r in runner.run([(tools, ToolCall("guarded", {"x": round_}))] * 2)] == [str(round_)] * 2
+    runner.close()
+
+    async def judge(prompts, completions, **kw):
+        lock = kept.setdefault("reward", asyncio.Lock())
+        async with lock:
+            await asyncio.sleep(0)
+            return [1.0] * len(completions)
+
+    rewards = [NamedReward("judge", judge, 1.0), NamedReward("judge_too", judge, 1.0)]
+    for _ in range(3):
+        assert score(rewards, ["p"], ["c"]).tolist() == [[1.0, 1.0]]
+
+    async def agent(prompt, generate, tokenizer):
+        lock = kept.setdefault("agent", asyncio.Lock())
+        async with lock:
+            out = await generate(prompt["prompt_ids"])
+        return {"completion_ids": out["token_ids"], "loss_mask": [1] * len(out["token_ids"])}
+
+    rf = RolloutFunction(agent, "agent.py:agent", TOKENIZER, 400)
+    for _ in range(3):
+        engine = ScriptedEngine([["a"], ["b"]])
+        engine.start(["Q one", "Q two"])
+        assert len(rf.generate(engine, _prompts(TOKENIZER, [], ["Q one", "Q two"]), SamplingParams(max_tokens=10), [1, 2], 0)) == 2
 
 
 @pytest.mark.parametrize("kind", ["async", "plain"])
@@ -290,7 +376,7 @@ def test_an_environment_that_raises_stops_the_round_naming_what_raised():
             raise KeyError("no such room")
 
     mt, tok, _ = _multi_turn(environment_factory=Broken, tools=())
-    with pytest.raises(RuntimeError, match="environment_factory: step raised KeyError: 'no such room'"):
+    with pytest.raises(TrajectoryError, match="environment_factory: step raised KeyError: 'no such room'"):
         _run(mt, tok, [], ["Guess the number"], [["3"]])
 
     class Stuck(Guess):
@@ -298,7 +384,7 @@ def test_an_environment_that_raises_stops_the_round_naming_what_raised():
             time.sleep(0.5)
 
     mt, tok, _ = _multi_turn(environment_factory=Stuck, tools=(), timeout=0.1)
-    with pytest.raises(RuntimeError, match=r"environment_factory: step took longer than tool_timeout \(0.1s\)"):
+    with pytest.raises(TrajectoryError, match=r"environment_factory: step took longer than tool_timeout \(0.1s\)"):
         _run(mt, tok, [], ["Guess the number"], [["3"]])
 
 
@@ -380,7 +466,7 @@ def test_a_rollout_function_trains_only_the_tokens_its_generate_calls_returned()
     assert t0.logprobs == [-(k + 1) / 100 for k in range(len(first))] + [0.0] * 6 + [-(k + 1) / 100 for k in range(5)]
     assert t0.info["turns"] == 2 and t0.info["versions"] == [3, 3]
     engine.start(questions)
-    with pytest.raises(ValueError, match=r"agent.py:agent: the model tokens \(loss_mask 1\) at completion_ids\[\d+:\] are not the whole answer"):
+    with pytest.raises(TrajectoryError, match=r"agent.py:agent: the model tokens \(loss_mask 1\) at completion_ids\[\d+:\] are not the whole answer"):
         RolloutFunction(_agent(cheat=True), "agent.py:agent", TOKENIZER, 400).generate(engine, prompts, SamplingParams(max_tokens=100), [11, 22], 1)
 
 
@@ -416,8 +502,57 @@ def test_a_rollout_function_whose_next_call_saw_other_tokens_than_it_returns_is_
     engine = ScriptedEngine([["first", "second"]])
     engine.start(questions)
     start = len(TOKENIZER("first", add_special_tokens=False)["input_ids"]) + 1 + 6
-    with pytest.raises(ValueError, match=rf"agent.py:re: the model tokens at completion_ids\[{start}:\] were generated after other tokens"):
+    with pytest.raises(TrajectoryError, match=rf"agent.py:re: the model tokens at completion_ids\[{start}:\] were generated after other tokens"):
         RolloutFunction(rerendered, "agent.py:re", TOKENIZER, 400).generate(engine, _prompts(TOKENIZER, [], questions), SamplingParams(max_tokens=100), [11], 1)
+
+
+def test_a_generate_call_a_rollout_function_gave_up_on_is_dropped():
+    # Trajectory 0 stops waiting for its call (asyncio.wait_for) while trajectory 1 has not asked
+    # yet, so the call is still queued; it then asks again. The dropped call used to be sent, and
+    # its result set on the cancelled future: InvalidStateError failed the round.
+    async def impatient(prompt, generate, tokenizer):
+        if prompt["prompt"][0]["content"] == "Q one":
+            try:
+                await asyncio.wait_for(generate(prompt["prompt_ids"]), 0.01)
+            except TimeoutError:
+                pass
+        else:
+            await asyncio.sleep(0.2)
+        out = await generate(prompt["prompt_ids"])
+        return {"completion_ids": out["token_ids"], "loss_mask": [1] * len(out["token_ids"])}
+
+    engine = ScriptedEngine([["a"], ["b"]])
+    engine.start(["Q one", "Q two"])
+    t0, t1 = RolloutFunction(impatient, "agent.py:impatient", TOKENIZER, 400).generate(engine, _prompts(TOKENIZER, [], ["Q one", "Q two"]),
+                                                                                         SamplingParams(max_tokens=10), [1, 2], 0)  # fmt: skip
+    assert sum(len(c[0]) for c in engine.calls) == 2  # one call each: the given-up one never reached the engine
+    assert t0.token_ids == TOKENIZER("a", add_special_tokens=False)["input_ids"] + [EOS]
+
+
+def test_a_huge_tool_result_is_cut_before_it_is_tokenized_and_logged_as_cut(monkeypatch):
+    # 1 MB of digits, no max_tool_response_tokens: the trajectory's 400 tokens bound it. Cut to
+    # what they can hold in characters first (tokenized whole, 100 MB took 12 GB), and shown cut.
+    def flood(n: int) -> str:
+        """Return a lot.
+
+        Args:
+            n: ignored
+        """
+        return "7" * 1_000_000
+
+    mt = MultiTurn(TOKENIZER, {"tools": [make_tool(flood, "flood").schema]}, "test", [make_tool(flood, "flood")], None, [], "hermes", 1, 400,
+                   tool_timeout=5, max_tool_response_tokens=None)  # fmt: skip
+    seen = []  # the length of every text tokenized
+    tokenize = type(TOKENIZER).__call__
+    monkeypatch.setattr(type(TOKENIZER), "__call__", lambda self, text, **kw: (seen.append(len(text)), tokenize(self, text, **kw))[1])
+    call = '<tool_call>{"name": "flood", "arguments": {"n": 1}}</tool_call>'
+    engine = ScriptedEngine([[call, "done"]])
+    engine.start(["Q"])
+    (t,) = mt.generate(engine, _prompts(TOKENIZER, [make_tool(flood, "flood").schema], ["Q"]), SamplingParams(max_tokens=400), [11], 2)
+    result = t.info["messages"][1]["content"]
+    assert result.endswith(" [cut at max_completion_length]") and len(result) < 400 * mt.longest_token and max(seen) < 400 * mt.longest_token + 1000
+    assert len(t.token_ids) == 400 and t.finish_reason == "length"
+    mt.close()
 
 
 def test_an_answer_ending_on_its_stop_token_at_max_completion_length_is_finished_not_truncated():
@@ -465,6 +600,44 @@ def files(tmp_path_factory):
     (folder / "rounds.py").write_text(ROUNDS)
     data = write_jsonl(addition_rows(0), folder / "data.jsonl")
     return folder, data
+
+
+# Rounds whose reward is numpy's float32, as many environments compute it.
+NUMPY_ROUNDS = ROUNDS.replace("return min(self.digits, 8) / 8", "import numpy\n        return numpy.float32(min(self.digits, 8) / 8)").replace("class Rounds", "class NumpyRounds")
+# An environment whose step never returns (a game server that hangs).
+STUCK = """
+import time
+
+class Stuck:
+    def step(self, text: str):
+        time.sleep(3600)
+"""
+
+
+def test_a_numpy_reward_from_get_reward_is_trained_logged_and_saved(tiny_model, files, tmp_path):
+    # np.float32 from get_reward() stopped the run at the first completions.jsonl line (json.dumps).
+    folder, data = files
+    (folder / "numpy_rounds.py").write_text(NUMPY_ROUNDS)
+    out = tmp_path / "run"
+    train(1, _args(tiny_model, data, out, 8, "--max_steps", "2", "--save_steps", "1", "--max_completion_length", "24",
+                   "--environment_factory", f"{folder / 'numpy_rounds.py'}:NumpyRounds", "--reward_funcs", "environment"))  # fmt: skip
+    metrics, completions = _read(out)
+    assert [m["step"] for m in metrics] == [1, 2] and (out / "checkpoint-2").is_dir()
+    assert all(isinstance(c["turns"]["environment_reward"], float) for c in completions)
+
+
+def test_a_step_that_never_returns_ends_the_run_and_its_process_at_once(tiny_model, files, tmp_path):
+    # The round stops past tool_timeout; the stuck thread used to hold the process at its exit
+    # (the tools' pool was joined), for as long as the step slept.
+    folder, data = files
+    (folder / "stuck.py").write_text(STUCK)
+    start = time.monotonic()
+    proc = subprocess.run(command(1, _args(tiny_model, data, tmp_path / "run", 8, "--max_steps", "2", "--max_completion_length", "24",
+                                           "--environment_factory", f"{folder / 'stuck.py'}:Stuck", "--reward_funcs", "exact_match",
+                                           "--tool_timeout", "1")), capture_output=True, text=True, env=ENV, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "tandem: environment_factory: step took longer than tool_timeout (1s)" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 60
 
 
 def _calculator_glue(tok) -> TemplateGlue:

@@ -235,6 +235,13 @@ def test_a_reward_spec_that_does_not_load_is_a_config_error(tiny_model, tmp_path
     data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
     proc = cli_here("train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", f"model:{tmp_path / 'no_model'}")
     assert proc.returncode == 2 and "config error: reward_funcs entry 'model:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    # a file that does not compile, or fails while it loads, names itself and the line (it was a traceback and exit 1)
+    (tmp_path / "broken.py").write_text("def score(prompts, completions, **kw)\n    return [1.0] * len(completions)\n")
+    (tmp_path / "fails.py").write_text("import math\nWEIGHT = math.sqrt(-1)\n")
+    for spec, message in ((f"{tmp_path / 'broken.py'}:score", "broken.py, line 1: expected ':'"),
+                          (f"{tmp_path / 'fails.py'}:score", "loading " + str(tmp_path / "fails.py") + " raised ValueError: math domain error")):  # fmt: skip
+        proc = cli_here("train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", spec)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_worker_processes_split_the_batch_and_run_signal_timeouts_a_thread_cannot(tmp_path):

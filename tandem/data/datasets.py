@@ -78,6 +78,9 @@ def check_jsonl(path: Path) -> None:
                 raise DataError(f"{where}: a {type(row).__name__}, not a JSON object; each line holds one row as {{\"prompt\": ...}}")
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def validate_rows(rows, source: str) -> None:
     """Fail early, naming the row, on anything the formatter would trip over later."""
     columns = rows.column_names
@@ -85,6 +88,9 @@ def validate_rows(rows, source: str) -> None:
         raise DataError(f"dataset {source} has no 'prompt' column (columns: {columns}); rename the prompt column to 'prompt'")
     if len(rows) == 0:
         raise DataError(f"dataset {source} has no rows")
+    if "tools" in columns:
+        raise DataError(f"dataset {source} has a 'tools' column: tools are not read per row (nor are they by TRL's GRPOTrainer); "
+                        "give them to every prompt with the tools option, and rename the column if it is for reward functions")  # fmt: skip
     for i, prompt in enumerate(rows["prompt"]):
         check_prompt(prompt, f"dataset {source}, row {i}")
 
@@ -102,3 +108,10 @@ def check_prompt(prompt, where: str) -> None:
     for j, message in enumerate(prompt):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             raise DataError(f"{where}: message {j} must be a dict with string 'role' and 'content', got {message!r}")
+        if message["role"] not in ROLES:
+            raise DataError(f"{where}: message {j} has role {message['role']!r}; chat templates know {', '.join(ROLES)}")
+        calls = message.get("tool_calls")  # None where other rows have it (datasets fills missing keys so)
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                                     and isinstance(c["function"].get("name"), str) for c in calls)):  # fmt: skip
+            raise DataError(f"{where}: message {j}'s tool_calls must be a list of {{'type': 'function', 'function': {{'name': ..., "
+                            f"'arguments': {{...}}}}}}, got {calls!r:.200}")  # fmt: skip

@@ -13,7 +13,10 @@ def prompt_text(tokenizer, prompt, template_kwargs: dict | None = None) -> str:
         return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("the prompt is a list of chat messages but the tokenizer has no chat_template; give plain string prompts or a tokenizer with a template")
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+    try:
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+    except Exception as exc:  # jinja2's errors name no row; load_prompts adds it
+        raise DataError(f"the chat template could not render the prompt ({type(exc).__name__}: {exc})") from None
 
 
 def encode_prompt(tokenizer, prompt, max_prompt_length: int | None, truncation: str, template_kwargs: dict | None = None) -> list[int] | None:

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from tandem.aio import user_loop
 from tandem.loading import load_object
 from tandem.rewards import model as reward_model
 from tandem.rewards.builtin import BUILTIN_REWARDS, completion_text
@@ -94,14 +95,16 @@ def score(rewards: list[NamedReward], prompts: list, completions: list, **kwargs
     """Rewards of every completion under every function: (N, F) float, NaN where a function said None.
 
     `async def` functions run concurrently with each other and with the plain ones, which run
-    one after another in a worker thread. Each call is bounded by its function's timeout. A
+    one after another in a worker thread; on the process's loop for user coroutines
+    (tandem.aio), so what an async function keeps across rounds (a client, a semaphore) stays
+    bound to the loop it runs on. Each call is bounded by its function's timeout. A
     function that raises, times out under the "error" policy, or returns the wrong number or kind
     of values fails the step with its name; None and NaN mean "no opinion" and are left out of
     the statistics.
     """
     n = len(completions)
     kwargs = {"prompts": prompts, "completions": completions, **kwargs}
-    results = asyncio.run(_call_all(rewards, kwargs))
+    results = user_loop().run(_call_all(rewards, kwargs))
     columns = [_column(reward, values, n) for reward, values in zip(rewards, results)]
     # One tensor built at the end, not N*F indexed writes: cheaper, and this runs in the async producer's thread.
     return torch.tensor(columns, dtype=torch.float32).T.reshape(n, len(rewards))  # (N, F)
@@ -139,10 +142,7 @@ def _in_thread(fn: RewardFn, kwargs: dict) -> asyncio.Future:
             outcome, value = "set_result", fn(**kwargs)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller, with the function's name
             outcome, value = "set_exception", exc
-        try:
-            loop.call_soon_threadsafe(settle, outcome, value)
-        except RuntimeError:  # the loop is gone: the call timed out and its round moved on
-            pass
+        loop.call_soon_threadsafe(settle, outcome, value)  # the process's loop: still running
 
     threading.Thread(target=run, daemon=True, name="tandem-reward").start()
     return future

@@ -15,7 +15,9 @@ tokens the model produced.
 
 import asyncio
 import copy
+import json
 import sys
+import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
@@ -26,6 +28,11 @@ from tandem.rollout.types import Completion, SamplingParams
 
 _PLACEHOLDER = "\x00tandem reply\x00"
 _STOP_TEXT_CHARS = 64  # the longest text of a stop token looked for at the end of a turn (ChatML's <|im_end|> has 10)
+
+
+class TrajectoryError(RuntimeError):
+    """The user's code that makes trajectories failed (an environment, a rollout_func, a chat
+    template): the message names it and what to do. The run stops, as for a reward function's."""
 
 
 @dataclass
@@ -92,7 +99,7 @@ class TemplateGlue:
         more messages follow (Qwen3's <think> blocks) still gives the right tokens."""
         full = self.render(self.base + new_messages, True)
         if full.count(_PLACEHOLDER) != 1:
-            raise ValueError(f"the chat template of {self.where} does not write an assistant message's content as it is; "
+            raise TrajectoryError(f"the chat template of {self.where} does not write an assistant message's content as it is; "
                              "multi-turn rollouts need a template that does")  # fmt: skip
         after = full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         for k in range(min(len(after), len(turn_text), _STOP_TEXT_CHARS), 0, -1):
@@ -187,6 +194,9 @@ class MultiTurn:
         self.parse = TOOL_PARSERS[parser]
         self.max_iterations, self.max_length = max_iterations, max_completion_length
         self.max_response = max_tool_response_tokens
+        # The longest text one token stands for: a result cut to `tokens * longest` characters
+        # still holds its first `tokens` tokens, and a huge one is never tokenized whole.
+        self.longest_token = max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))) + 8
         self.runner = ToolRunner(tool_timeout)
 
     def generate(self, engine, prompts, params, seeds, min_version):
@@ -264,7 +274,7 @@ class MultiTurn:
             try:
                 observation = step.result(timeout=self.runner.timeout)
             except FutureTimeout:
-                raise RuntimeError(f"environment_factory: step took longer than tool_timeout ({self.runner.timeout:g}s)") from None
+                raise TrajectoryError(f"environment_factory: step took longer than tool_timeout ({self.runner.timeout:g}s)") from None
             if observation is None:
                 t.finish = "stop"
             else:
@@ -273,17 +283,24 @@ class MultiTurn:
         new: dict[int, tuple[_Live, list]] = {}
         for t, call, result in zip(owners, calls, results):
             t.calls.append({"name": result.name, "ok": result.ok, "seconds": result.seconds})
-            new.setdefault(id(t), (t, []))[1].append({"role": "tool", "name": call[1].name, "content": self._cap(result.content)})
+            content = self._cap(result.content, self.max_length - len(t.ids))
+            new.setdefault(id(t), (t, []))[1].append({"role": "tool", "name": call[1].name, "content": content})
         for t, messages in new.values():
             self._insert(t, messages)
 
-    def _cap(self, content: str) -> str:
-        if self.max_response is None:
+    def _cap(self, content: str, room: int) -> str:
+        """A tool's result as the model sees it (and completions.jsonl shows it): at most
+        max_tool_response_tokens tokens, and never more text than the `room` tokens left in the
+        trajectory can hold. Cut by characters first, then by tokens: a result of 100 MB took 12
+        GB to tokenize whole."""
+        limit = room if self.max_response is None else min(room, self.max_response)
+        text = content[: max(0, limit) * self.longest_token]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= limit and len(text) == len(content):
             return content
-        ids = self.tokenizer(content, add_special_tokens=False)["input_ids"]
-        if len(ids) <= self.max_response:
-            return content
-        return self.tokenizer.decode(ids[: self.max_response]) + " [cut at max_tool_response_tokens]"
+        if self.max_response is not None and len(ids) > self.max_response:
+            return self.tokenizer.decode(ids[: self.max_response]) + " [cut at max_tool_response_tokens]"
+        return self.tokenizer.decode(ids[:limit]) + " [cut at max_completion_length]"
 
     def _insert(self, t: _Live, messages: list) -> None:
         turn_text = self.tokenizer.decode(t.ids[len(t.ids) - _last_turn_length(t) :], skip_special_tokens=False)
@@ -305,7 +322,7 @@ class MultiTurn:
             "tool_calls": t.calls,
             "versions": t.versions,
             "template_rewrites": t.rewrites,
-            "environment_reward": _environment_call(t.env.get_reward, "get_reward") if hasattr(t.env, "get_reward") else None,
+            "environment_reward": _reward_number(_environment_call(t.env.get_reward, "get_reward")) if hasattr(t.env, "get_reward") else None,
         }
         return Trajectory(t.ids, t.logprobs, t.mask, t.finish or "stop", min(t.versions), t.prompt_ids if t.new_prompt else None, info)
 
@@ -318,8 +335,20 @@ def _environment_call(fn: Callable, what: str, *args, **kwargs):
     by contrast, is the model's to see)."""
     try:
         return fn(*args, **kwargs)
+    except SystemExit as exc:  # the environment's, not the run's: ending the run with its code would hide it
+        raise TrajectoryError(f"environment_factory: {what} called sys.exit({exc.code!r})") from None
     except Exception as exc:
-        raise RuntimeError(f"environment_factory: {what} raised {type(exc).__name__}: {exc}") from exc
+        raise TrajectoryError(f"environment_factory: {what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _reward_number(value) -> float | None:
+    """get_reward()'s value as a float, as TRL takes it (numpy's float32 included), or None."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TrajectoryError(f"environment_factory: get_reward returned {value!r}; return a number, or None for no opinion") from None
 
 
 def _last_turn_length(t: _Live) -> int:
@@ -353,9 +382,16 @@ class RolloutFunction:
 
     def __init__(self, fn: Callable, name: str, tokenizer, max_completion_length: int):
         self.fn, self.name, self.tokenizer, self.max_length = fn, name, tokenizer, max_completion_length
+        self._loops = threading.local()
 
     def generate(self, engine, prompts, params, seeds, min_version):
-        return asyncio.run(self._all(engine, prompts, params, seeds, min_version))
+        # One event loop per calling thread (the producer's, and the evaluator's), kept across
+        # rounds: what the function keeps between calls (an HTTP client, a semaphore) stays bound
+        # to the loop it runs on. In the calling thread, so that a colocated engine generates
+        # under that thread's autocast, as the training forward computes.
+        if getattr(self._loops, "loop", None) is None:
+            self._loops.loop = asyncio.new_event_loop()
+        return self._loops.loop.run_until_complete(self._all(engine, prompts, params, seeds, min_version))
 
     async def _all(self, engine, prompts, params, seeds, min_version):
         batcher = _Batcher(engine, params, min_version, len(prompts))
@@ -374,28 +410,35 @@ class RolloutFunction:
 
         try:
             result = await self.fn({"prompt": prompt.messages, "prompt_ids": list(prompt.ids), **prompt.row}, generate, self.tokenizer)
+        except SystemExit as exc:  # the function's, not the run's: ending the run with its code would hide it
+            raise TrajectoryError(f"rollout_func {self.name} called sys.exit({exc.code!r}); it must return its trajectory") from None
         except Exception as exc:
-            raise RuntimeError(f"rollout_func {self.name} raised {type(exc).__name__}: {exc}") from exc
+            raise TrajectoryError(f"rollout_func {self.name} raised {type(exc).__name__}: {exc}") from exc
         finally:
             batcher.finished()
         return self._trajectory(result, list(prompt.ids), [(ids, out) for ids, out in calls if out is not None])
 
     def _trajectory(self, result, prompt_ids: list[int], calls: list[tuple[list[int], Completion]]) -> Trajectory:
         if not isinstance(result, dict) or not {"completion_ids", "loss_mask"} <= result.keys():
-            raise ValueError(f"rollout_func {self.name} returned {type(result).__name__}; return a dict with completion_ids and loss_mask")
+            raise TrajectoryError(f"rollout_func {self.name} returned {type(result).__name__}; return a dict with completion_ids and loss_mask")
         ids, mask = list(result["completion_ids"]), [int(m) for m in result["loss_mask"]]
         if len(ids) != len(mask) or set(mask) - {0, 1}:
-            raise ValueError(f"rollout_func {self.name}: loss_mask must be 0 or 1 for each of the {len(ids)} completion_ids, got {len(mask)} values")
+            raise TrajectoryError(f"rollout_func {self.name}: loss_mask must be 0 or 1 for each of the {len(ids)} completion_ids, got {len(mask)} values")
         used = self._answers(prompt_ids, ids, mask, calls)
         if not used:
-            raise ValueError(f"rollout_func {self.name} returned no model tokens (loss_mask 1); return the answer of at least one generate call")
+            raise TrajectoryError(f"rollout_func {self.name} returned no model tokens (loss_mask 1); return the answer of at least one generate call")
         logprobs = iter(lp for o in used for lp in o.logprobs)
         finish = "error" if any(o.finish_reason == "error" for o in used) else used[-1].finish_reason
         if len(ids) > self.max_length:
             ids, mask, finish = ids[: self.max_length], mask[: self.max_length], "length"
         elif len(ids) == self.max_length and not (mask[-1] and finish == "stop"):
             finish = "length"  # filled, and its last token is not a stop token (TRL's rule)
-        info = {"turns": len(used), "messages": result.get("messages") or [], "tool_calls": [], "versions": [o.version for o in used],
+        messages = result.get("messages") or []
+        try:
+            json.dumps(messages)
+        except (TypeError, ValueError) as exc:  # they are logged, and saved with the rounds generated ahead
+            raise TrajectoryError(f"rollout_func {self.name}: its messages are not JSON ({exc}); return plain dicts, lists, text and numbers") from None
+        info = {"turns": len(used), "messages": messages, "tool_calls": [], "versions": [o.version for o in used],
                 "template_rewrites": 0, "environment_reward": None}  # fmt: skip
         return Trajectory(ids, [next(logprobs) if m else 0.0 for m in mask], mask, finish, min(o.version for o in used), None, info)
 
@@ -410,13 +453,13 @@ class RolloutFunction:
             answers = [c for c in free if ids[pos : pos + len(c[1].token_ids)] == c[1].token_ids and all(mask[pos : pos + len(c[1].token_ids)])]
             match = next((c for c in answers if c[0] == prompt_ids + ids[:pos]), None)
             if match is None and answers:
-                raise ValueError(
+                raise TrajectoryError(
                     f"rollout_func {self.name}: the model tokens at completion_ids[{pos}:] were generated after other tokens than "
                     f"prompt_ids + completion_ids[:{pos}], so their log-probs belong to another context (a conversation rendered anew?); "
                     "ask each generate call on prompt_ids + the completion_ids so far"
                 )
             if match is None:
-                raise ValueError(
+                raise TrajectoryError(
                     f"rollout_func {self.name}: the model tokens (loss_mask 1) at completion_ids[{pos}:] are not the whole answer of any "
                     "of its generate calls; never train on tokens the engine did not produce"
                 )
@@ -431,24 +474,41 @@ class RolloutFunction:
 
 class _Batcher:
     """Gathers the generate calls of a round's trajectories: once every trajectory still running
-    waits on one, they go to the engine as one call."""
+    waits on one, they go to the engine as one call. Calls also go once none has come for
+    STALL_SECONDS: a trajectory may wait on something else than generate (a lock another one
+    holds across its own call, a slow tool), and waiting for it would never end. Which calls
+    share a batch changes no completion (each has its own seed; engines are batch-invariant)."""
+
+    STALL_SECONDS = 0.05
 
     def __init__(self, engine, params: SamplingParams, min_version: int, running: int):
         self.engine, self.params, self.min_version, self.running = engine, params, min_version, running
         self.waiting: list[tuple[list[int], int | None, int, asyncio.Future]] = []
+        self.requests = 0  # made so far: a stall is no new one since a check was set
 
     async def request(self, ids: list[int], max_tokens: int | None, seed: int) -> Completion:
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self.waiting.append((ids, max_tokens, seed, future))
+        self.requests += 1
         self._maybe_flush()
+        if not future.done():
+            loop.call_later(self.STALL_SECONDS, self._flush_if_stalled, self.requests)
         return await future
 
     def finished(self) -> None:
         self.running -= 1
         self._maybe_flush()
 
-    def _maybe_flush(self) -> None:
-        if not self.waiting or len(self.waiting) < self.running:
+    def _flush_if_stalled(self, requests: int) -> None:
+        if requests == self.requests:
+            self._maybe_flush(stalled=True)
+
+    def _maybe_flush(self, stalled: bool = False) -> None:
+        # A request the function stopped waiting for (asyncio.wait_for past its time) is dropped:
+        # its trajectory no longer waits on it, and its future takes no result.
+        self.waiting = [w for w in self.waiting if not w[3].done()]
+        if not self.waiting or (len(self.waiting) < self.running and not stalled):
             return
         batch, self.waiting = self.waiting, []
         budget = max(m or self.params.max_tokens for _, m, _, _ in batch)
@@ -456,9 +516,12 @@ class _Batcher:
             outs = self.engine.generate([b[0] for b in batch], replace(self.params, max_tokens=budget), [b[2] for b in batch], min_version=self.min_version)
         except Exception as exc:  # every waiting trajectory fails with the engine's error
             for *_, future in batch:
-                future.set_exception(exc)
+                if not future.done():
+                    future.set_exception(exc)
             return
         for (_, max_tokens, _, future), out in zip(batch, outs):
+            if future.done():  # given up while the engine generated
+                continue
             limit = max_tokens or self.params.max_tokens
             cut = len(out.token_ids) > limit
             future.set_result(replace(out, token_ids=out.token_ids[:limit], logprobs=out.logprobs[:limit], finish_reason="length" if cut else out.finish_reason))

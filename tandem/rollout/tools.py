@@ -15,10 +15,10 @@ import math
 import operator
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from tandem.aio import DaemonPool, user_loop
 from tandem.loading import load_object
 
 INVALID_CALL = "invalid_call"  # the name failures of unparseable calls are counted under
@@ -61,11 +61,15 @@ _OPERATORS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
 }  # fmt: skip
-_MAX_POWER_BITS = 100_000  # a power's result at most ~30,000 digits: bigger ones could take the CPU for hours
+# Every number the calculator makes is at most this many bits (about 4,300 digits, the most
+# Python prints): past it, a product of large powers made % and // run quadratic big-integer
+# arithmetic that held the GIL for seconds, past tool_timeout (which cannot stop a thread).
+_MAX_BITS = 14_000
 
 
 def _evaluate(node):
-    """Numbers and operators only: no names, attributes, calls or subscripts, so nothing but arithmetic runs."""
+    """Numbers and operators only: no names, attributes, calls or subscripts, so nothing but
+    arithmetic runs; each operation's result is bounded before it is computed."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
@@ -73,10 +77,20 @@ def _evaluate(node):
         return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and max(1.0, math.log2(abs(left) or 1)) * abs(right) > _MAX_POWER_BITS:
-            raise ValueError(f"the power {ast.unparse(node)!r} is too large to compute")
+        if _result_bits(node.op, left, right) > _MAX_BITS:
+            raise ValueError(f"{ast.unparse(node)!r} is too large to compute (more than about 4,300 digits)")
         return _OPERATORS[type(node.op)](left, right)
     raise ValueError(f"only numbers and + - * / // % ** are allowed, not {ast.unparse(node)!r}")
+
+
+def _result_bits(op: ast.operator, left, right) -> float:
+    """An upper bound of the bits of `left op right` (floats count as small: they overflow to an error)."""
+    bits = [abs(x).bit_length() if isinstance(x, int) else 64 for x in (left, right)]
+    if isinstance(op, ast.Pow):
+        return max(1.0, math.log2(abs(left) or 1)) * abs(right)
+    if isinstance(op, ast.Mult):
+        return bits[0] + bits[1]
+    return max(bits) + 1
 
 
 def _format_number(value) -> str:
@@ -130,6 +144,9 @@ def parse_hermes(text: str) -> list[ToolCall]:
         except json.JSONDecodeError as exc:
             calls.append(ToolCall(INVALID_CALL, {}, f"the tool call is not valid JSON ({exc.msg})"))
             continue
+        except (ValueError, RecursionError) as exc:  # an integer of over 4,300 digits; arrays nested past the stack
+            calls.append(ToolCall(INVALID_CALL, {}, f"the tool call cannot be read ({type(exc).__name__}: {str(exc)[:200]})"))
+            continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
             calls.append(ToolCall(INVALID_CALL, {}, 'a tool call is {"name": "...", "arguments": {...}}'))
             continue
@@ -143,18 +160,19 @@ TOOL_PARSERS = {"hermes": parse_hermes}
 
 
 class ToolRunner:
-    """Runs the calls of many trajectories at once: async tools awaited together, plain ones in a
-    bounded pool of threads, each call bounded by `timeout` seconds. A plain function past its
-    timeout cannot be stopped (Python has no way to kill a thread): its thread stays busy until
-    it returns, and the model is told it timed out."""
+    """Runs the calls of many trajectories at once: async tools awaited together on the process's
+    loop for user coroutines (tandem.aio), plain ones in a bounded pool of daemon threads, each
+    call bounded by `timeout` seconds. A plain function past its timeout cannot be stopped (Python
+    has no way to kill a thread): its thread stays busy until it returns, the model is told it
+    timed out, and the thread never holds the process at exit."""
 
     def __init__(self, timeout: float, workers: int = 8):
         self.timeout = timeout
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="tandem-tool")
+        self.pool = DaemonPool(workers, "tandem-tool")
 
     def run(self, calls: list[tuple[dict[str, Tool], ToolCall]]) -> list[ToolResult]:
         """One result per (tools by name, call), in order."""
-        return asyncio.run(self._all(calls)) if calls else []
+        return user_loop().run(self._all(calls)) if calls else []
 
     async def _all(self, calls) -> list[ToolResult]:
         return list(await asyncio.gather(*(self._one(tools, call) for tools, call in calls)))
@@ -171,18 +189,35 @@ class ToolRunner:
     async def _call(self, fn: Callable, call: ToolCall) -> tuple[bool, str]:
         try:
             if inspect.iscoroutinefunction(fn):
-                value = await asyncio.wait_for(fn(**call.arguments), self.timeout)
+                value = await asyncio.wait_for(_contained(fn(**call.arguments)), self.timeout)
             else:
-                future = asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(**call.arguments))
-                value = await asyncio.wait_for(future, self.timeout)
+                value = await asyncio.wait_for(asyncio.wrap_future(self.pool.submit(lambda: fn(**call.arguments))), self.timeout)
         except asyncio.TimeoutError:
             return False, f"{call.name} took longer than tool_timeout ({self.timeout:g}s)"
+        except (SystemExit, _Exited) as exc:  # a tool runs in the trainer's process: its sys.exit must not end the run
+            return False, f"{call.name} called sys.exit({exc.code!r}); a tool must return its result"
         except Exception as exc:  # noqa: BLE001 - a tool's failure is the model's to see, not the run's end
             return False, f"{call.name} raised {type(exc).__name__}: {exc}"
         return _as_text(value, call.name)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
+
+
+class _Exited(Exception):
+    """An async tool's sys.exit, as an ordinary exception: raised out of a task, SystemExit would
+    stop the event loop itself."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+async def _contained(coro):
+    try:
+        return await coro
+    except SystemExit as exc:
+        raise _Exited(exc.code) from None
 
 
 def _as_text(value, name: str) -> tuple[bool, str]:

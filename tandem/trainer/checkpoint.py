@@ -246,6 +246,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class _DiskFull(RuntimeError):
+    """torch.save's failure to write a file (its zip writer raises a RuntimeError, not an OSError)."""
+
+
+def _torch_save(obj, path: Path) -> None:
+    try:
+        torch.save(obj, path)
+    except RuntimeError as exc:  # "[enforce fail at inline_container.cc:...] ... file write failed"
+        raise _DiskFull(f"writing {path.name} failed: {str(exc).splitlines()[0]}") from None
+
+
 class Checkpointer:
     """Saves the run's state at a round's end: TrainState, the learner's weights, optimizer and
     schedule, the producer's rounds generated ahead, every rank's RNG; and reads the per-rank
@@ -262,12 +273,15 @@ class Checkpointer:
         folder and `latest` where it was."""
         try:
             return self._save_collective(state)
-        except (OSError, SafetensorError) as exc:
+        except (OSError, SafetensorError, _DiskFull) as exc:
             abandon(self.out, state.step)
             raise CheckpointError(
                 f"could not write checkpoint-{state.step} in {self.out} ({type(exc).__name__}: {exc}); {where_to_resume(self.out)}. "
                 "Free some space there, then resume with --resume_from_checkpoint latest"
             ) from None
+        except BaseException:
+            abandon(self.out, state.step)  # whatever stopped it, no staging folder stays behind
+            raise
 
     def _save_collective(self, state) -> Path | None:
         dist, lm = self.dist, self.learner.lm
@@ -280,7 +294,7 @@ class Checkpointer:
         # this checkpoint does not hold. Every rank keeps the same number so the sampler agrees.
         ahead = self.producer.pending()
         ahead = ahead[: int(dist.gather_collective(torch.tensor([len(ahead)]), "rounds ahead").min())]
-        torch.save(rng_state(), tmp / f"rng_state_{dist.rank}.pt")
+        _torch_save(rng_state(), tmp / f"rng_state_{dist.rank}.pt")
         (tmp / f"rounds_{dist.rank}.json").write_text(json.dumps([r.to_dict() for r in ahead]))
         moving_ref = self.learner.ref_model.lm if self.learner.ref_sync.every else None  # sync_ref_model: the reference is state too
         if self.sharded:  # every rank writes its shards; rank 0 the model's config
@@ -296,7 +310,7 @@ class Checkpointer:
                 lm.generation_config.save_pretrained(tmp)
             else:
                 lm.save_pretrained(tmp)
-                torch.save(self.learner.optimizer.state_dict(), tmp / "optimizer.pt")
+                _torch_save(self.learner.optimizer.state_dict(), tmp / "optimizer.pt")
                 if moving_ref is not None:
                     save_model(moving_ref, str(tmp / REFERENCE))  # tied weights stored once
             self.tokenizer.save_pretrained(tmp)
@@ -314,7 +328,7 @@ class Checkpointer:
                 "entropy_bonus": self.learner.entropy.state_dict(),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(saved, indent=1))
-            torch.save(self.learner.scheduler.state_dict(), tmp / "scheduler.pt")
+            _torch_save(self.learner.scheduler.state_dict(), tmp / "scheduler.pt")
             path = finish(self.out, state.step, self.save_total_limit)
         dist.barrier_collective("checkpoint: done")
         return path

@@ -379,7 +379,8 @@ class TrainConfig:
         need(self.beta >= 0, "beta", "must be >= 0 (0 disables the KL term and loads no reference model)")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"must be one of {SCALE_REWARDS}")
         need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level", f"must be one of {IMPORTANCE_SAMPLING_LEVELS}")
-        need(bool(self.reward_funcs), "reward_funcs", "give at least one, e.g. --reward_funcs exact_match")
+        need(bool(self.reward_funcs), "reward_funcs", "give at least one: --reward_funcs environment, the environment's get_reward()"
+             if self.environment_factory else "give at least one, e.g. --reward_funcs exact_match")  # fmt: skip
         need(
             self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
             "reward_weights",

@@ -22,14 +22,35 @@ def _plain(value):
     return value
 
 
+def _json_value(value):
+    """What json cannot write itself, written as it can: numpy's and torch's numbers (a
+    get_reward() returning np.float32 ended runs at the first completions.jsonl line), their
+    arrays as lists, anything else as its text. These are logs for reading and plotting."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+class LogWriteError(RuntimeError):
+    """A log line could not be written (a full disk); the message names the file."""
+
+
 class JsonlWriter:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.fh = open(path, "a")
 
     def write(self, record: dict) -> None:
-        self.fh.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
-        self.fh.flush()
+        line = json.dumps({k: _plain(v) for k, v in record.items()}, default=_json_value) + "\n"
+        try:
+            self.fh.write(line)
+            self.fh.flush()
+        except OSError as exc:  # a line cut short is dropped at resume (truncate_log)
+            raise LogWriteError(f"could not write {self.path.name} in {self.path.parent} ({type(exc).__name__}: {exc}); "
+                                "free some space there, then resume with --resume_from_checkpoint latest") from None  # fmt: skip
 
     def close(self) -> None:
         self.fh.close()
