@@ -192,25 +192,32 @@ def test_a_prompt_past_the_models_positions_is_refused_naming_its_row(tiny_model
     assert f"dataset {data}, row 1: its prompt of 1000 tokens and max_completion_length=30 need 1030 positions, more than the model's max_position_embeddings=1024" in proc.stderr
 
 
-def test_a_checkpoint_the_disk_cannot_hold_leaves_nothing_half_written(tiny_model, data, tmp_path):
+@pytest.mark.parametrize(
+    "cap, steps, message",
+    [
+        (100_000, 2, "could not write checkpoint-1 in {out} (SafetensorError"),  # the model's weights (563 kB) fail
+        (800_000, 2, "could not write checkpoint-1 in {out} (OSError: writing optimizer.pt failed"),  # torch.save's (1.1 MB): a raw RuntimeError
+        (12_000, 30, "could not write metrics.jsonl in {out} (OSError"),  # a log line, before any save: a raw OSError
+    ],
+)
+def test_a_disk_that_cannot_hold_a_file_ends_the_run_naming_it_and_leaves_nothing_half_written(tiny_model, data, tmp_path, cap, steps, message):
     import resource
     import signal
     import subprocess
     import sys
 
-    # Files capped at 100 kB (RLIMIT_FSIZE), past the logs and below the model's weights: its
-    # write fails as on a full disk. It used to end in safetensors' traceback, leaving .tmp-checkpoint-1.
+    # Files capped (RLIMIT_FSIZE) as on a full disk, past what is written before the write tried.
     def small_disk():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the cap fails (EFBIG) instead of killing the process
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
 
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "tandem.cli", "train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", out,
                            "--reward_funcs", "exact_match", "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "4",
-                           "--max_steps", "2", "--save_steps", "1", "--disable_tqdm", "true"],
+                           "--max_steps", str(steps), "--save_steps", "1" if steps == 2 else "0", "--disable_tqdm", "true", "--num_completions_to_log", "1"],
                           capture_output=True, text=True, timeout=300, preexec_fn=small_disk)  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert f"tandem: could not write checkpoint-1 in {out}" in proc.stderr and "there is no earlier checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert "tandem: " + message.format(out=out) in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not list(out.glob(".tmp-checkpoint-*")) and not (out / "latest").exists()
 

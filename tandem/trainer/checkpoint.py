@@ -246,15 +246,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class _DiskFull(RuntimeError):
-    """torch.save's failure to write a file (its zip writer raises a RuntimeError, not an OSError)."""
-
-
 def _torch_save(obj, path: Path) -> None:
+    """torch.save, its failure to write the file (its zip writer raises a RuntimeError: "[enforce
+    fail at inline_container.cc:...] file write failed") raised as the OSError it is."""
     try:
         torch.save(obj, path)
-    except RuntimeError as exc:  # "[enforce fail at inline_container.cc:...] ... file write failed"
-        raise _DiskFull(f"writing {path.name} failed: {str(exc).splitlines()[0]}") from None
+    except RuntimeError as exc:
+        raise OSError(f"writing {path.name} failed: {str(exc).splitlines()[0]}") from None
 
 
 class Checkpointer:
@@ -273,7 +271,7 @@ class Checkpointer:
         folder and `latest` where it was."""
         try:
             return self._save_collective(state)
-        except (OSError, SafetensorError, _DiskFull) as exc:
+        except (OSError, SafetensorError) as exc:
             abandon(self.out, state.step)
             raise CheckpointError(
                 f"could not write checkpoint-{state.step} in {self.out} ({type(exc).__name__}: {exc}); {where_to_resume(self.out)}. "

@@ -53,7 +53,10 @@ class JsonlWriter:
                                 "free some space there, then resume with --resume_from_checkpoint latest") from None  # fmt: skip
 
     def close(self) -> None:
-        self.fh.close()
+        try:
+            self.fh.close()
+        except OSError:  # the line a failed write left in the buffer fails again: reported already
+            pass
 
 
 def truncate_log(path: Path, step: int) -> str | None:
