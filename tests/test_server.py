@@ -393,3 +393,28 @@ def test_a_push_cut_by_a_restart_that_the_generating_thread_resyncs_completes(ti
         client.close()
         server.stop()
     assert [c.version for c in results[0]] == [2]  # the generation repeated on the resynced server
+
+
+def test_the_servers_key_is_read_from_the_environment_or_a_file_and_never_saved_or_printed(tiny_model, tmp_path):
+    # The key was written in plain text into config.yaml, into every checkpoint, and printed at start.
+    from tandem.demo import addition_rows, write_jsonl
+
+    data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
+    secret = "s3cret-key-7f2a"
+    server = Server(tiny_model, env={**os.environ, "TANDEM_API_KEY": secret})  # the server's key from its environment
+    (tmp_path / "key.txt").write_text(secret + "\n")
+    common = ["--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", "exact_match", "--num_generations", "4",
+              "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "1", "--rollout_mode", "server",
+              "--rollout_server_urls", server.url]  # fmt: skip
+    try:
+        assert call(server, "GET", "/info", key=None).status_code == 401 and call(server, "GET", "/info", key=secret).status_code == 200
+        for how, extra in (("option", ["--rollout_api_key", secret]), ("file", ["--rollout_api_key_file", tmp_path / "key.txt"])):
+            proc = cli_here("train", *common, *extra, "--output_dir", tmp_path / how, "--disable_tqdm", "true")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            saved = [(tmp_path / how / "config.yaml").read_text(), (tmp_path / how / "checkpoint-1" / "config.yaml").read_text()]
+            assert all(secret not in text for text in [*saved, proc.stdout, proc.stderr])
+            assert ("rollout_api_key: <redacted>" in saved[0]) == (how == "option")
+        proc = cli_here("train", *common, "--output_dir", tmp_path / "none", "--disable_tqdm", "true")  # no key: refused by the server, by name
+        assert proc.returncode == 1 and "401" in proc.stderr, proc.stderr[-2000:]
+    finally:
+        server.stop()

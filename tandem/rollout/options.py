@@ -2,11 +2,25 @@
 without loading FastAPI (0.3 s of each `tandem train` process's start)."""
 
 import argparse
+import os
+from pathlib import Path
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 DEFAULT_MAX_CHUNK_BYTES = 2 * 2**30
 DEFAULT_BODY_TIMEOUT = 30.0
 ENGINE_NAMES = ("transformers", "vllm")  # tandem.rollout.server.ENGINES loads each
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key: --api-key, else the first line of --api-key-file, else TANDEM_API_KEY, else None."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            return Path(args.api_key_file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file}: no key read from it ({exc or 'the file is empty'})") from None
+    return os.environ.get("TANDEM_API_KEY") or None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype the engine holds the weights in")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health. Rather than here, "
+                   "where other users of the host see it: in the environment variable TANDEM_API_KEY, or --api-key-file")
+    p.add_argument("--api-key-file", default=None, help="a file holding the key (its first line), instead of --api-key")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without --api-key (anyone who reaches the port can replace the weights)")
     p.add_argument("--max-batch-tokens", type=int, default=65536, help="most prompt + max_tokens tokens in one engine call")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="largest JSON request body")

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem.rollout import protocol as P
-from tandem.rollout.options import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_REQUEST_BYTES, ENGINE_NAMES
+from tandem.rollout.options import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_REQUEST_BYTES, ENGINE_NAMES, api_key
 from tandem.rollout.serving import (
     Busy, EngineFailure, HeldByAnotherRun, NotReady, OtherProcess, RolloutService, TooLarge, UnknownUpdate, VersionConflict,
 )  # fmt: skip
@@ -391,6 +391,11 @@ assert sorted(ENGINES) == sorted(ENGINE_NAMES), "tandem.rollout.options lists th
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    try:
+        args.api_key = api_key(args)
+    except ValueError as exc:
+        print(f"tandem rollout: {exc}", file=sys.stderr)
+        return 2
     if not is_loopback(args.host) and not args.api_key and not args.insecure:
         print(
             f"tandem rollout: refusing to bind {args.host} without --api-key: anyone who can reach it could replace the "

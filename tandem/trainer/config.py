@@ -24,6 +24,8 @@ from tandem.trainer import compat
 from tandem.trainer.metrics import check_report_to
 
 ROLLOUT_MODES = ("colocate", "server")
+API_KEY_ENV = "TANDEM_API_KEY"  # the rollout servers' key, read by `tandem train` and `tandem rollout` alike
+REDACTED = "<redacted>"  # a secret as saved and printed configs show it
 NONFINITE_POLICIES = ("skip", "error")
 WEIGHT_TRANSPORTS = ("auto", "http", "shm")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
@@ -68,7 +70,8 @@ class TrainConfig:
     rollout_server_timeout: float = opt(240.0, "Seconds to wait for a server to be healthy at start, and to retry a failing call, before stopping with an error.", "generation")
     rollout_connect_timeout: float = opt(5.0, "Seconds to wait for a TCP connection to a server.", "generation")
     rollout_request_timeout: float = opt(600.0, "Seconds to wait for the answer to one request (a whole round's generation).", "generation")
-    rollout_api_key: str | None = opt(None, "Key the servers were started with (--api-key); sent as a Bearer token.", "generation")
+    rollout_api_key: str | None = opt(None, f"Key the servers were started with (--api-key); sent as a Bearer token. Kept out of every saved and printed config (shown as {REDACTED}); rather than on the command line, where other users see it, give it in the environment variable {API_KEY_ENV} or a file (rollout_api_key_file).", "generation")
+    rollout_api_key_file: str | None = opt(None, "A file holding the servers' key (its first line), instead of rollout_api_key.", "generation")
     async_generate: bool = opt(False, "Generate the next rounds in the background while training on the current one (server mode).", "generation")
     max_staleness: int = opt(1, "With async_generate: round r may be generated with any policy version >= r - max_staleness (0 is synchronous).", "generation")
     off_policy_correction: str = opt("sequence_mask", "Importance weight proximal/behaviour on each token's loss, applied whenever a rollout server generates (its numerics differ from the trainer's, and async rollouts lag): none, token_truncate, token_mask, sequence_truncate, sequence_mask (TRL's vllm_importance_sampling_mode; colocated runs need none).", "generation")
@@ -328,6 +331,8 @@ class TrainConfig:
         need(self.on_nonfinite in NONFINITE_POLICIES, "on_nonfinite", f"must be one of {NONFINITE_POLICIES}")
         need(self.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
         need(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport", f"must be one of {WEIGHT_TRANSPORTS}")
+        need(not (self.rollout_api_key and self.rollout_api_key_file), "rollout_api_key_file", "and rollout_api_key both given; keep one")
+        need(self.rollout_api_key != REDACTED, "rollout_api_key", f"is the {REDACTED} of a saved config; give the key itself, or {API_KEY_ENV}")
         init = self.model_init_kwargs or {}
         need(all(init.get(k, "float32") in MODEL_DTYPES for k in ("dtype", "torch_dtype")), "model_init_kwargs",
              f"its dtype must be one of {MODEL_DTYPES} (default float32, as TRL's)")  # fmt: skip
@@ -491,7 +496,24 @@ class TrainConfig:
         return out
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as saved (config.yaml, every checkpoint), printed and sent to trackers: the
+        servers' key redacted."""
+        out = dataclasses.asdict(self)
+        if out["rollout_api_key"] is not None:
+            out["rollout_api_key"] = REDACTED
+        return out
+
+    def api_key(self) -> str | None:
+        """The servers' key: rollout_api_key, else the first line of rollout_api_key_file, else
+        the environment's TANDEM_API_KEY, else None."""
+        if self.rollout_api_key is not None:
+            return self.rollout_api_key
+        if self.rollout_api_key_file is not None:
+            try:
+                return Path(self.rollout_api_key_file).read_text().splitlines()[0].strip()
+            except (OSError, IndexError) as exc:
+                raise ConfigError(f"rollout_api_key_file={self.rollout_api_key_file}: no key read from it ({exc or 'the file is empty'})") from None
+        return os.environ.get(API_KEY_ENV) or None
 
 
 class ConfigError(ValueError):
