@@ -418,3 +418,26 @@ def test_the_servers_key_is_read_from_the_environment_or_a_file_and_never_saved_
         assert proc.returncode == 1 and "401" in proc.stderr, proc.stderr[-2000:]
     finally:
         server.stop()
+
+
+def test_a_dead_runs_hold_on_the_server_lapses_and_a_live_ones_is_renewed(tiny_model):
+    # A run that crashed without letting go held its server until someone sent DELETE /run: the
+    # next run was refused. The hold is now a lease (1 s here) that a live trainer renews.
+    server = Server(tiny_model, "--run-lease", "1")
+    claim = lambda run: requests.post(server.url + "/run", json={"run_id": run, "name": run}, timeout=10)  # noqa: E731
+    try:
+        assert claim("crashed").json()["lease_seconds"] == 1.0  # claimed, then never renewed: its trainer died
+        refused = claim("next")
+        assert refused.status_code == 409 and "lets it go by itself 1s after its last renewal" in refused.text
+        time.sleep(1.5)
+        assert claim("next").status_code == 200  # the dead run's lease lapsed
+        client = RolloutClient([server.url], server_timeout=30)
+        requests.delete(server.url + "/run", timeout=10)
+        client.claim("live", "a live run")  # its client renews every quarter of the lease
+        time.sleep(2.5)
+        assert claim("other").status_code == 409
+        client.release()
+        assert claim("other").status_code == 200
+        client.close()
+    finally:
+        server.stop()

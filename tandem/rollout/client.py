@@ -2,6 +2,7 @@
 servers (requests spread over them, weights pushed to all), and an Engine that runs remotely."""
 
 import logging
+import math
 import os
 import threading
 import time
@@ -81,7 +82,8 @@ class RolloutClient:
         # is checked like a new server (a LoRA run's base weights, for one).
         self.check_new_process: Callable[[str], None] | None = None
         self.run: dict | None = None  # the run this client pushes for (claim): its id goes with every update
-        self._closed = threading.Event()  # ends watch()'s thread
+        self._run_lock = threading.Lock()  # a renewal of the claim never lands after its release
+        self._closed = threading.Event()  # ends watch()'s and the claim's renewal threads
 
     # ------------------------------------------------------------------ plumbing
 
@@ -292,21 +294,40 @@ class RolloutClient:
 
     def claim(self, run_id: str, name: str) -> None:
         """Hold every server for this run: a server refuses the pushes of any other run, and a
-        server another run holds refuses this one (HTTP 409, naming that run)."""
+        server another run holds refuses this one (HTTP 409, naming that run). The hold is a
+        lease: a daemon thread claims again every quarter of it until release(), so a trainer
+        that dies without letting go frees its servers once its lease lapses."""
         self.run = {"run_id": run_id, "name": name}
-        self._each(self._claim_one, self.urls)
+        lease = min(hold.get("lease_seconds", math.inf) for hold in self._each(self._claim_one, self.urls))
+        if math.isfinite(lease):
+            threading.Thread(target=self._renew, args=(lease / 4,), name="tandem-claim-renewal", daemon=True).start()
 
-    def _claim_one(self, url: str) -> None:
-        self._call("POST", url, "/run", "this run's claim on it", json=self.run)
+    def _claim_one(self, url: str) -> dict:
+        return self._call("POST", url, "/run", "this run's claim on it", json=self.run)
+
+    def _renew(self, interval: float) -> None:
+        """Claim again every `interval` seconds, once, without retries: a renewal that fails is
+        tried again at the next one (a quarter of the lease later)."""
+        while not self._closed.wait(interval):
+            with self._run_lock:
+                if self.run is None:
+                    return
+                for url in self.urls:
+                    try:
+                        self.session.post(url + "/run", json=self.run, headers=self.headers, timeout=(self.timeout[0], 10))
+                    except requests.RequestException:
+                        pass
 
     def release(self) -> None:
         """Let every server go (at the run's end), quickly and without retries: a server that is
         gone holds nothing."""
-        if self.run is None:
+        with self._run_lock:
+            run, self.run = self.run, None
+        if run is None:
             return
         for url in self.urls:
             try:
-                self.session.delete(url + "/run", params={"run_id": self.run["run_id"]}, headers=self.headers, timeout=(self.timeout[0], 5))
+                self.session.delete(url + "/run", params={"run_id": run["run_id"]}, headers=self.headers, timeout=(self.timeout[0], 5))
             except requests.RequestException:
                 pass
 

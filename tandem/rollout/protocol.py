@@ -84,6 +84,7 @@ class RunHolder(BaseModel):
     run_id: str
     name: str
     since: float  # seconds since the epoch of the run's first claim
+    lease_seconds: float  # the hold lapses this long after the last claim: the trainer claims again before
 
 
 class WeightUpdateHandle(BaseModel):

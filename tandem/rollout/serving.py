@@ -2,6 +2,7 @@
 versioned weight updates. It depends only on the engine interface."""
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -47,6 +48,12 @@ class EngineFailure(RuntimeError):
     """The engine returned something the server will not pass on (non-finite log-probs)."""
 
 
+log = logging.getLogger("tandem")
+# How long a run's hold on the server lasts without renewal (`tandem rollout --run-lease`): its
+# trainer renews it every quarter of this; a trainer that died frees the server after it.
+RUN_LEASE_SECONDS = 60.0
+
+
 class HeldByAnotherRun(RuntimeError):
     """The server serves another training run: two runs' weight pushes would interleave."""
 
@@ -58,6 +65,7 @@ class RunHold:
     run_id: str
     name: str  # where the run is (its output_dir, host and pid), for the refusal's message
     since: float  # time.time() of its first claim
+    expires: float = math.inf  # time.monotonic() past which, not renewed, another run may take the server
 
 
 @dataclass
@@ -123,8 +131,10 @@ class RolloutService:
     max_tokens per sequence), oldest first, so no client starves. A weight commit waits for the
     calls in flight and keeps new ones out until it is done, so no completion mixes two versions."""
 
-    def __init__(self, max_batch_tokens: int = 65536, max_model_len: int = 4096, vocab_size: int = 0, max_version_waiters: int = 256):
+    def __init__(self, max_batch_tokens: int = 65536, max_model_len: int = 4096, vocab_size: int = 0, max_version_waiters: int = 256,
+                 run_lease: float = RUN_LEASE_SECONDS):  # fmt: skip
         self.engine: Engine | None = None
+        self.run_lease = run_lease  # seconds a run's hold lasts past its last claim (the trainer renews it)
         self.max_batch_tokens = max_batch_tokens
         self.max_version_waiters = max_version_waiters
         self._waiters = 0  # requests waiting for min_version; they hold no thread
@@ -333,14 +343,20 @@ class RolloutService:
     # ------------------------------------------------------------------ the run it serves
 
     def claim(self, run_id: str, name: str) -> RunHold:
-        """The run `run_id` holds the server, unless another one does (a restarted trainer of the
-        holding run, resuming, is let back in)."""
+        """The run `run_id` holds the server for run_lease seconds more, unless another one holds
+        it (a restarted trainer of the holding run, resuming, is let back in). A hold is a lease
+        its trainer renews: one whose trainer died (killed, crashed without letting go) lapses,
+        and the next run takes the server."""
         with self._cv:
+            now = time.monotonic()
             if self.run is not None and self.run.run_id != run_id:
-                raise HeldByAnotherRun(self._held_message())
+                if now < self.run.expires:
+                    raise HeldByAnotherRun(self._held_message())
+                log.info(f"the run {self.run.name} did not renew its hold for {self.run_lease:g}s: {name} takes the server")
+                self.run = None
             if self.run is None:
                 self.run = RunHold(run_id, name, time.time())
-            self.run.name = name
+            self.run.name, self.run.expires = name, now + self.run_lease
             return self.run
 
     def release(self, run_id: str | None) -> None:
@@ -353,8 +369,8 @@ class RolloutService:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.run.since))
         return (
             f"this server serves the run {self.run.name} since {since}: one server serves one run, or the two runs' weight "
-            "pushes would interleave. Give this run a server of its own, or stop that run; if it is gone, free the server "
-            "(DELETE /run, e.g. `curl -X DELETE URL/run`) or restart it"
+            f"pushes would interleave. Give this run a server of its own, or stop that run; a run that is gone lets it go by "
+            f"itself {self.run_lease:g}s after its last renewal (or free it now: DELETE /run, e.g. `curl -X DELETE URL/run`)"
         )
 
     # ------------------------------------------------------------------ weights
