@@ -266,6 +266,39 @@ def test_sigterm_stops_every_rank_within_seconds_with_a_checkpoint(tiny_model, d
     assert step >= 3 and checkpoint.resolve("latest", out) == out / f"checkpoint-{step}"  # whole, at the last step logged
 
 
+# A reward function that answers its first call, then hangs (a judge that stopped answering).
+HANGS_AFTER_ONE = "import time\ncalls = []\ndef judge(prompts, completions, **kw):\n    calls.append(1)\n    if len(calls) > 1:\n        time.sleep(3600)\n    return [0.5] * len(completions)\n"
+
+
+@pytest.mark.parametrize("how", ["past sigterm_timeout", "a second SIGTERM"])
+def test_sigterm_ends_a_stuck_round_within_its_bound_with_143_and_the_last_checkpoint(tiny_model, data, tmp_path, how):
+    # The round after step 1 waits on a reward function without timeout (reward_timeout none).
+    # A SIGTERM used to wait for it forever (or reward_timeout, 600 s by default), a second one
+    # was ignored, and the exit code was then 2.
+    (tmp_path / "judge.py").write_text(HANGS_AFTER_ONE)
+    out = tmp_path / "run"
+    args = base_args(tiny_model, data, out, 16, "--max_steps", "10", "--save_steps", "1", "--reward_funcs", f"{tmp_path / 'judge.py'}:judge",
+                     "--reward_timeout", "none", "--sigterm_timeout", "4" if how == "past sigterm_timeout" else "300")  # fmt: skip
+    trainer = subprocess.Popen(command(1, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_for_step(out, 1, trainer)
+        time.sleep(1)  # into round 1's reward
+        start = time.monotonic()
+        trainer.send_signal(signal.SIGTERM)
+        if how == "a second SIGTERM":
+            time.sleep(0.5)
+            trainer.send_signal(signal.SIGTERM)
+        _, stderr = trainer.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 143 and took < (15 if how == "past sigterm_timeout" else 5), (trainer.returncode, took, stderr[-2000:])
+    why = "the round in flight did not end within sigterm_timeout=4s" if how == "past sigterm_timeout" else "a second SIGTERM came"
+    assert f"tandem: stopped by SIGTERM: {why}" in stderr and f"latest still names checkpoint-1: resume with --resume_from_checkpoint latest --output_dir {out}" in stderr, stderr[-2000:]
+    assert checkpoint.resolve("latest", out) == out / "checkpoint-1"
+
+
 def test_async_generate_needs_server_mode(tiny_model, data, tmp_path):
     proc = cli_here("train", *base_args(tiny_model, data, tmp_path / "x", 16, "--async_generate", "true"))
     assert proc.returncode == 2 and "async_generate" in proc.stderr and "rollout_mode: server" in proc.stderr

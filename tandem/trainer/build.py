@@ -75,6 +75,7 @@ class Schedule:
     asynchronous: bool
     dynamic_sample: bool
     output_dir: str
+    sigterm_timeout: float  # seconds from a SIGTERM to the exit, whatever the run is doing
     tool_names: list[str] | None = None  # a multi-turn run's tools (metrics per tool); None: one turn
 
 
@@ -404,5 +405,6 @@ def _schedule(config: TrainConfig, tool_names: list[str] | None) -> Schedule:
         asynchronous=config.async_generate,
         dynamic_sample=config.dynamic_sample,
         output_dir=config.output_dir,
+        sigterm_timeout=config.sigterm_timeout,
         tool_names=tool_names,
     )

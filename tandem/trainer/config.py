@@ -127,6 +127,7 @@ class TrainConfig:
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", "batch and schedule")
     on_nonfinite: str = opt("skip", "A step whose loss or gradient norm is NaN or inf never updates the weights: 'skip' drops it and counts it in the metric skipped_steps; 'error' stops the run naming the step.", "batch and schedule")
     bf16: bool | None = opt(None, "Train in bf16 mixed precision (through accelerate). Default (none): on with a CUDA GPU that computes bf16, as TRL; off on CPU, where most CPUs emulate bf16 (10-500x slower than fp32) and where tandem's exactness guarantees are stated in fp32.", "batch and schedule")
+    sigterm_timeout: float = opt(20.0, "Seconds a run may take after a SIGTERM (a scheduler preempting it) to finish its round and save its checkpoint; past them, or at a second SIGTERM, it exits at once, its last checkpoint intact and the round in flight dropped. Exit code 143 either way. Keep it under the scheduler's grace period (30 s by default on Kubernetes, Slurm and torchrun).", "batch and schedule")
     ddp_timeout: float = opt(1800.0, "Seconds any collective between training processes may wait before the run fails.", "batch and schedule")
 
     # --- sharding (FSDP) ---
@@ -330,6 +331,7 @@ class TrainConfig:
         )
         need(self.on_nonfinite in NONFINITE_POLICIES, "on_nonfinite", f"must be one of {NONFINITE_POLICIES}")
         need(self.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
+        need(self.sigterm_timeout > 0, "sigterm_timeout", "must be > 0 seconds")
         need(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport", f"must be one of {WEIGHT_TRANSPORTS}")
         need(not (self.rollout_api_key and self.rollout_api_key_file), "rollout_api_key_file", "and rollout_api_key both given; keep one")
         need(self.rollout_api_key != REDACTED, "rollout_api_key", f"is the {REDACTED} of a saved config; give the key itself, or {API_KEY_ENV}")

@@ -75,7 +75,7 @@ def run_loop(run: Run) -> dict:
     idle = IdleSteps(patience=10, skipped_before=state.skipped_steps)
     last: dict = {}
     saved_at = state.step
-    sigterm = Flag(signal.SIGTERM)
+    sigterm = Flag(signal.SIGTERM, s.sigterm_timeout, s.output_dir)
     try:
         while state.step < s.max_steps:
             if bool(run.dist.sum_collective(torch.tensor([float(sigterm.is_set())]), "SIGTERM flags").item()):

@@ -1,10 +1,16 @@
 """How a run stops between rounds before its end: on SIGTERM (a scheduler preempting the job),
 or when a rollout server or a round fails it. Each says what the run kept and what to do."""
 
+import os
 import signal
+import sys
 import threading
+from pathlib import Path
 
+from tandem.trainer.checkpoint import where_to_resume
 from tandem.trainer.producer import RoundTimeout
+
+SIGTERM_EXIT = 143  # 128 + SIGTERM, as a process the signal ended
 
 
 class Preempted(RuntimeError):
@@ -12,20 +18,57 @@ class Preempted(RuntimeError):
 
 
 class Flag:
-    """A signal that raises a flag instead of ending the process, from construction until
-    restore() (in the main thread only: Python runs handlers there)."""
+    """SIGTERM as a flag the loop reads between rounds, from construction until restore(), with
+    a bound: `timeout` seconds after the first signal, or at a second one, the process exits with
+    code 143 whatever it is doing (a round stuck on a reward function or a server, a collective
+    waiting for a rank that is), its last checkpoint intact and the round in flight dropped.
 
-    def __init__(self, signum: int):
-        self.signum, self._event, self._old = signum, threading.Event(), None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signum, lambda *_: self._event.set())
+    Python runs signal handlers in the main thread only, and only between bytecodes, so a main
+    thread waiting in C (a collective) would run none for as long as it waits. The signal is
+    seen at once instead through signal.set_wakeup_fd: the interpreter's own C handler writes its
+    number into a pipe that a daemon thread reads. Set up from the main thread only."""
+
+    def __init__(self, signum: int, timeout: float, output_dir: str):
+        self.signum, self.timeout, self.output_dir = signum, timeout, output_dir
+        self._event, self._old, self._old_fd, self._write = threading.Event(), None, None, None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._old = signal.signal(signum, lambda *_: None)  # the flag is raised by the thread below
+        read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read,), name="tandem-sigterm", daemon=True).start()
 
     def is_set(self) -> bool:
         return self._event.is_set()
 
+    def _watch(self, read: int) -> None:
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            while data := pipe.read(64):
+                for _ in range(data.count(self.signum)):
+                    if self._event.is_set():
+                        self._exit("a second SIGTERM came")
+                    self._event.set()
+                    timer = threading.Timer(self.timeout, self._exit, (f"the round in flight did not end within sigterm_timeout={self.timeout:g}s",))
+                    timer.daemon = True
+                    timer.start()
+
+    def _exit(self, why: str) -> None:
+        """Exit now, saying what the run keeps: its last checkpoint, which no save in flight can
+        have broken (a save is put in place whole, or not at all)."""
+        print(f"tandem: stopped by SIGTERM: {why}; what this process had trained since its last checkpoint is dropped, and "
+              f"{where_to_resume(self.output_dir)}: resume with --resume_from_checkpoint latest --output_dir {Path(self.output_dir)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        sys.stdout.flush()
+        os._exit(SIGTERM_EXIT)
+
     def restore(self) -> None:
+        """The signal's previous handling back. A SIGTERM already seen keeps its bound: the exit
+        that follows must not hang either."""
         if self._old is not None:
+            signal.set_wakeup_fd(self._old_fd)
             signal.signal(self.signum, self._old)
+            os.close(self._write)  # its reader ends
 
 
 def after_failure(run, exc: Exception, saved_at: int) -> str:
