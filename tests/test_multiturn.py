@@ -23,6 +23,7 @@ from conftest import ENV, cli_here, command, same_collectives, train, wait_for_s
 from tandem.demo import addition_rows, write_jsonl
 from tandem.init_model import CHAT_TEMPLATE, build_tokenizer, save, warmup_sft
 from tandem.rollout.multiturn import MultiTurn, Prompt, RolloutFunction, TemplateGlue, TrajectoryError, encode_conversation, turn_seed
+from tandem.rollout.tool_workers import ToolWorkers
 from tandem.rollout.tools import ToolCall, ToolRunner, calculator, environment_tools, load_tools, make_tool, parse_hermes
 from tandem.rewards import NamedReward, score
 from tandem.rollout.types import Completion, SamplingParams
@@ -824,3 +825,69 @@ def test_a_killed_async_multi_turn_run_resumes_bitwise_from_rounds_saved_whole(t
     assert [m["loss"] for m in m_resumed] == [m["loss"] for m in m_whole] and [m["reward"] for m in m_resumed] == [m["reward"] for m in m_whole]
     whole, resumed = load_file(tmp_path / "whole" / "checkpoint-8" / "model.safetensors"), load_file(out / "checkpoint-8" / "model.safetensors")
     assert all((whole[k] == resumed[k]).all() for k in whole), "weights must be bitwise equal"
+
+
+# Tools that take their process down with them, or flood its output.
+UNRULY = '''
+import os, sys, time
+
+def quits(x: int) -> str:
+    """End the process.
+
+    Args:
+        x: its exit code
+    """
+    os._exit(x)
+
+def floods(x: int) -> str:
+    """Print 50 MB, then answer.
+
+    Args:
+        x: a number
+    """
+    line = "y" * 1_000_000
+    for _ in range(50):
+        print(line)
+    return str(x)
+
+def sleeps(x: int) -> str:
+    """Sleep x seconds.
+
+    Args:
+        x: seconds
+    """
+    time.sleep(x)
+    return "awake"
+'''
+
+
+def test_tool_workers_contain_a_tool_that_ends_its_process_floods_or_hangs(tmp_path):
+    (tmp_path / "unruly.py").write_text(UNRULY)
+    tools = {t.name: t for t in load_tools([f"{tmp_path / 'unruly.py'}:{n}" for n in ("quits", "floods", "sleeps")] + ["calculator"])}
+    runner = ToolRunner(timeout=3, processes=ToolWorkers(2))
+    results = runner.run([(tools, ToolCall("quits", {"x": 0})), (tools, ToolCall("floods", {"x": 7}))])
+    assert results[0].content == "error: quits ended its worker process (exit code 0); a tool must return its result"
+    assert (results[1].ok, results[1].content) == (True, "7")  # its 50 MB went to /dev/null
+    hung = runner.run([(tools, ToolCall("sleeps", {"x": 60}))])[0]
+    assert hung.content == "error: sleeps took longer than tool_timeout (3s); its worker process was ended" and hung.seconds < 10
+    # fresh workers took the ended ones' places
+    assert [r.content for r in runner.run([(tools, ToolCall("calculator", {"expression": "6*7"}))] * 3)] == ["42"] * 3
+    runner.close()
+
+
+def test_a_tool_that_ends_its_process_fails_its_calls_in_a_worker_and_the_run_trains_on(tool_model, files, tmp_path):
+    # In the trainer's process, os._exit(0) in a tool ended the run with exit code 0 and no
+    # message, after training nothing. In a worker (tool_workers) each call fails, shown and counted.
+    folder, data = files
+    (folder / "exits.py").write_text(UNRULY.replace("def quits(x: int)", "def calculator(expression: str)").replace("os._exit(x)", "os._exit(0)")
+                                     .replace("x: its exit code", "expression: ignored"))  # fmt: skip
+    out = tmp_path / "run"
+    proc = subprocess.run(command(1, _args(tool_model, data, out, 16, "--max_steps", "2", "--reward_funcs", "exact_match", "--tools",
+                                           f"{folder / 'exits.py'}:calculator", "--tool_workers", "2", "--max_tool_calling_iterations", "1",
+                                           "--learning_rate", "1e-4")), capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics, completions = _read(out)
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["tools/calculator/call_frequency"] > 0 for m in metrics)
+    assert all(m["tools/calculator/failure_frequency"] == 1.0 for m in metrics)
+    results = [t["content"] for c in completions for t in c["turns"]["messages"] if t.get("name") == "calculator"]
+    assert results and all(r == "error: calculator ended its worker process (exit code 0); a tool must return its result" for r in results)

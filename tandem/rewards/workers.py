@@ -9,9 +9,9 @@ included, and the next call starts a fresh one.
 
 import multiprocessing
 import os
-import select
-import threading
 import time
+
+from tandem.children import die_with
 
 _FNS: dict = {}  # in a worker: spec -> function
 
@@ -20,26 +20,7 @@ def _start_worker(parent: int) -> None:
     import torch
 
     torch.set_num_threads(1)  # the pool's workers share the cores
-    _die_with(parent)
-
-
-def _die_with(parent: int) -> None:
-    """End this worker when `parent`, the trainer, is gone, however it ended (SIGKILL included):
-    a worker busy in a reward would otherwise spin on, orphaned. A thread waits on the parent's
-    pidfd (a parent-death signal would fire when the thread that started the worker ends, which
-    in a pool is not the trainer's end)."""
-    try:
-        watched = os.pidfd_open(parent)
-    except ProcessLookupError:
-        os._exit(1)  # the trainer died before this worker started
-    except (OSError, AttributeError):
-        return  # no pidfd (not Linux, or a kernel before 5.3): the pool's own terminate() only
-
-    def watch():
-        select.select([watched], [], [])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="tandem-die-with-trainer", daemon=True).start()
+    die_with(parent)
 
 
 def _score_slice(spec: str, kwargs: dict) -> list:

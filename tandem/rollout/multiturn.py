@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from tandem.rollout.sampling import mix64
+from tandem.rollout.tool_workers import ToolWorkers
 from tandem.rollout.tools import TOOL_PARSERS, Tool, ToolCall, ToolRunner
 from tandem.rollout.types import Completion, SamplingParams
 
@@ -180,11 +181,13 @@ class MultiTurn:
         tool_timeout: float,
         max_tool_response_tokens: int | None,
         all_done: Callable[[bool], bool] | None = None,
+        tool_workers: int = 0,
     ):
         """`all_done` (a sharded colocated engine, whose every generate call is a collective): given
         whether this process's trajectories are all finished, whether every process's are. Turns
         go on until they are, with nothing of this process's own to generate once its are: the
-        engine then takes part in the others' decoding (TransformersEngine.generate)."""
+        engine then takes part in the others' decoding (TransformersEngine.generate).
+        `tool_workers`: processes that run the plain tools of `tools` (0: threads of this process)."""
         self.all_done = all_done
         self.tokenizer = tokenizer
         self.glue = TemplateGlue(tokenizer, template_kwargs, where)
@@ -197,7 +200,7 @@ class MultiTurn:
         # The longest text one token stands for: a result cut to `tokens * longest` characters
         # still holds its first `tokens` tokens, and a huge one is never tokenized whole.
         self.longest_token = max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))) + 8
-        self.runner = ToolRunner(tool_timeout)
+        self.runner = ToolRunner(tool_timeout, processes=ToolWorkers(tool_workers) if tool_workers else None)
 
     def generate(self, engine, prompts, params, seeds, min_version):
         trajs = [self._start(p, s) for p, s in zip(prompts, seeds)]

@@ -15,7 +15,7 @@ import math
 import operator
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from tandem.aio import DaemonPool, user_loop
@@ -30,6 +30,7 @@ class Tool:
     name: str
     fn: Callable
     schema: dict  # {"type": "function", "function": {...}}, as chat templates take it
+    spec: str | None = None  # what loads it in a worker process ("file.py:fn", a built-in name); None: an environment's method
 
 
 @dataclass
@@ -101,7 +102,8 @@ def _format_number(value) -> str:
 
 def load_tools(specs: list[str]) -> list[Tool]:
     """Built-in names (calculator) or "path/file.py:fn" / "module:fn"."""
-    tools = [make_tool(BUILTIN_TOOLS[s] if s in BUILTIN_TOOLS else load_object(s, "tools entry"), f"tools entry {s!r}") for s in specs]
+    tools = [replace(make_tool(BUILTIN_TOOLS[s] if s in BUILTIN_TOOLS else load_object(s, "tools entry"), f"tools entry {s!r}"), spec=s)
+             for s in specs]  # fmt: skip
     _check_unique(tools, "tools")
     return tools
 
@@ -164,11 +166,14 @@ class ToolRunner:
     loop for user coroutines (tandem.aio), plain ones in a bounded pool of daemon threads, each
     call bounded by `timeout` seconds. A plain function past its timeout cannot be stopped (Python
     has no way to kill a thread): its thread stays busy until it returns, the model is told it
-    timed out, and the thread never holds the process at exit."""
+    timed out, and the thread never holds the process at exit. With `processes` (tool_workers),
+    plain tools given in `tools` run in worker processes instead (tandem.rollout.tool_workers),
+    whose death or timeout ends only the worker."""
 
-    def __init__(self, timeout: float, workers: int = 8):
+    def __init__(self, timeout: float, workers: int = 8, processes=None):
         self.timeout = timeout
-        self.pool = DaemonPool(workers, "tandem-tool")
+        self.processes = processes
+        self.pool = DaemonPool(max(workers, processes.count if processes else 0), "tandem-tool")
 
     def run(self, calls: list[tuple[dict[str, Tool], ToolCall]]) -> list[ToolResult]:
         """One result per (tools by name, call), in order."""
@@ -183,7 +188,11 @@ class ToolRunner:
         if content is None and call.name not in tools:
             name, content = UNKNOWN_TOOL, f"there is no tool {call.name!r}; the tools are {', '.join(sorted(tools))}"
         if content is None:
-            ok, content = await self._call(tools[call.name].fn, call)
+            tool = tools[call.name]
+            if self.processes is not None and tool.spec is not None and not inspect.iscoroutinefunction(tool.fn):
+                ok, content = await asyncio.wrap_future(self.pool.submit(self.processes.call, tool.spec, call.name, call.arguments, self.timeout))
+            else:
+                ok, content = await self._call(tool.fn, call)
         return ToolResult(name, content if ok else f"error: {content}", ok, time.perf_counter() - start)
 
     async def _call(self, fn: Callable, call: ToolCall) -> tuple[bool, str]:
@@ -198,10 +207,12 @@ class ToolRunner:
             return False, f"{call.name} called sys.exit({exc.code!r}); a tool must return its result"
         except Exception as exc:  # noqa: BLE001 - a tool's failure is the model's to see, not the run's end
             return False, f"{call.name} raised {type(exc).__name__}: {exc}"
-        return _as_text(value, call.name)
+        return as_text(value, call.name)
 
     def close(self) -> None:
         self.pool.shutdown()
+        if self.processes is not None:
+            self.processes.close()
 
 
 class _Exited(Exception):
@@ -220,7 +231,7 @@ async def _contained(coro):
         raise _Exited(exc.code) from None
 
 
-def _as_text(value, name: str) -> tuple[bool, str]:
+def as_text(value, name: str) -> tuple[bool, str]:
     if isinstance(value, str):
         return True, value
     if isinstance(value, float) and not math.isfinite(value):

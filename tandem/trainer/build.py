@@ -358,7 +358,8 @@ def _turns(config: TrainConfig, tokenizer, all_done) -> tuple[Rollouts, dict, li
     if every_tool:
         template_kwargs["tools"] = [t.schema for t in every_tool]
     rollouts = MultiTurn(tokenizer, template_kwargs, config.model_name_or_path, tools, factory, env_tools, config.tool_parser, config.tool_turns(),
-                         config.max_completion_length, config.tool_timeout, config.max_tool_response_tokens, all_done)  # fmt: skip
+                         config.max_completion_length, config.tool_timeout, config.max_tool_response_tokens, all_done,
+                         tool_workers=config.tool_workers)  # fmt: skip
     return rollouts, template_kwargs, [t.name for t in every_tool] + [INVALID_CALL, UNKNOWN_TOOL]
 
 

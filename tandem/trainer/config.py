@@ -106,6 +106,7 @@ class TrainConfig:
     max_tool_calling_iterations: int | None = opt(None, "Most turns that call tools per trajectory; none: until a turn calls none or max_completion_length is filled (TRL's).", "tools and multi-turn")
     tool_parser: str = opt("hermes", "How tool calls are found in the model's text: 'hermes', <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Qwen3).", "tools and multi-turn")
     tool_timeout: float = opt(30.0, "Seconds one tool call may take; a call past it gives the model an error message as its result.", "tools and multi-turn")
+    tool_workers: int = opt(0, "Worker processes that run the plain (not async) tools of `tools`: a tool that ends its process (os._exit, a crash), floods its output (discarded there) or hangs takes only its worker with it; the call fails and a fresh worker takes its place. 0: tools run in threads of the trainer's process, where they can end or stall the run (docs/multi-turn.md). An environment's methods always run in the trainer's process.", "tools and multi-turn")
     max_tool_response_tokens: int | None = opt(None, "Cut a tool's result to this many tokens; none: no cut (max_completion_length still bounds the trajectory).", "tools and multi-turn")
 
     # --- batch and schedule ---
@@ -299,6 +300,7 @@ class TrainConfig:
         need(self.tool_timeout > 0, "tool_timeout", "must be > 0 seconds")
         need(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0, "max_tool_calling_iterations", "must be >= 0, or none")
         need(self.max_tool_response_tokens is None or self.max_tool_response_tokens >= 1, "max_tool_response_tokens", "must be >= 1, or none")
+        need(self.tool_workers >= 0, "tool_workers", "must be >= 0 (0: tools run in the trainer's process)")
         need(self.rollout_func is None or not (self.tools or self.environment_factory), "rollout_func",
              "runs the whole trajectory itself: give it without tools and environment_factory (it may call tools of its own)")  # fmt: skip
         need(not (self.rollout_func and self.fsdp and self.rollout_mode == "colocate"), "fsdp",
@@ -482,6 +484,7 @@ class TrainConfig:
                                  "loss_type dapo, cispo or vespo and steps_per_generation > gradient_accumulation_steps"),
             **{k: (not (self.tools or self.environment_factory), "tools or environment_factory")
                for k in ("max_tool_calling_iterations", "tool_parser", "tool_timeout", "max_tool_response_tokens")},
+            "tool_workers": (not self.tools, "tools"),
         }
         out = [f"{name}={getattr(self, name)!r} has no effect without {needs}" for name, (unused, needs) in idle.items()
                if unused and getattr(self, name) != getattr(defaults, name)]  # fmt: skip
