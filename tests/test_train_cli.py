@@ -346,3 +346,18 @@ def test_the_tandem_process_exits_with_mains_code_and_finalizes_the_garbage_it_l
     proc = subprocess.run([sys.executable, "-c", EXIT, tmp_path / "record"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert (tmp_path / "record").read_text() == "finalized"
+
+
+def test_a_save_that_fails_in_any_way_leaves_no_staging_folder(tiny_model, data, tmp_path, monkeypatch):
+    # Only a disk error removed the staging folder; any other failure (a value json could not
+    # write, in one case) left it behind on the disk.
+    from tandem.trainer import checkpoint
+
+    def broken():
+        raise TypeError("Object of type float32 is not JSON serializable")
+
+    monkeypatch.setattr(checkpoint, "rng_state", broken)
+    out = tmp_path / "run"
+    proc = _run(tiny_model, data, out, "--max_steps", "1", "--save_steps", "1")
+    assert proc.returncode == 1 and "not JSON serializable" in proc.stderr, proc.stderr[-2000:]
+    assert not list(out.glob(".tmp-checkpoint-*")) and not (out / "latest").exists()
