@@ -101,7 +101,7 @@ class TemplateGlue:
         full = self.render(self.base + new_messages, True)
         if full.count(_PLACEHOLDER) != 1:
             raise TrajectoryError(f"the chat template of {self.where} does not write an assistant message's content as it is; "
-                             "multi-turn rollouts need a template that does")  # fmt: skip
+                                  "multi-turn rollouts need a template that does")  # fmt: skip
         after = full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         for k in range(min(len(after), len(turn_text), _STOP_TEXT_CHARS), 0, -1):
             if turn_text.endswith(after[:k]):
