@@ -17,6 +17,7 @@ loads, the weights draw from the seeded RNG in the same order in every run, and 
 state is set last, after everything that draws at setup.
 """
 
+import contextlib
 import inspect
 import json
 import math
@@ -152,32 +153,40 @@ def build(config: TrainConfig) -> Run:
     if dist.is_main:
         print(_precision_line(config, learner.lm), flush=True)
     state = TrainState.from_checkpoint(saved) if saved else TrainState()
-    servers = pushes = None
-    if config.rollout_mode == "server":
-        servers, pushes, push = _servers(config, dist, learner, state, len(tokenizer), plan is not None)
-        engine = servers.engine
-    else:
-        eos_ids = eos_token_ids(tokenizer, learner.lm.generation_config, config.model_name_or_path)
-        all_done = (lambda done: dist.all_collective(done, "sequences done (sharded decoding)")) if lockstep else None
-        engine, push = TransformersEngine(learner.lm, eos_ids, tokenizer.pad_token_id, state.version, all_done), None
-    engine.version = state.version
-    producer = _producer(config, dist, table, tokenizer, reward_fns, engine, rollouts)
-    if not saved:
-        state.sampler = producer.sampler.state_dict()
-    checkpointer = checkpoint.Checkpointer(out, dist, learner, producer, tokenizer, config.to_dict(), config.save_total_limit, plan is not None)
-    ready = checkpointer.restore_rank(resume_dir) if resume_dir else []
-    if resume_dir:
-        producer.sampler.load_state_dict(saved["sampler"])
-        _resume_logs(out, dist, resume_dir, state)
-    producer.start(state.round, ready)
-    producer.set_live_version(state.version)
-    last_step = config.max_steps
-    sync = WeightSync(engine, producer, dist, push, config.max_staleness if config.async_generate else None, last_step)
-    log = metrics.RunLog(out, dist.accelerator, dist.is_main, eval_table is not None, config.num_completions_to_log, last_step, not config.disable_tqdm)
-    evaluator = None
-    if eval_table is not None:
-        evaluator = Evaluator(engine, tokenizer, eval_table, reward_fns, config.sampling_params(), config.eval_num_generations, config.eval_greedy,
-                              config.seed, config.eval_pass_threshold, dist, every_rank=plan is not None and servers is None, rollouts=rollouts)  # fmt: skip
+    # A failure past here ends what this build started, or it would outlive the failed run in
+    # this process (a notebook, the tests): the servers' hold, renewed by a thread, and the
+    # producer's thread. The Run owns them once it is made.
+    with contextlib.ExitStack() as undo:
+        servers = pushes = None
+        if config.rollout_mode == "server":
+            servers, pushes, push = _servers(config, dist, learner, state, len(tokenizer), plan is not None)
+            undo.callback(pushes.close)
+            undo.callback(servers.close)
+            engine = servers.engine
+        else:
+            eos_ids = eos_token_ids(tokenizer, learner.lm.generation_config, config.model_name_or_path)
+            all_done = (lambda done: dist.all_collective(done, "sequences done (sharded decoding)")) if lockstep else None
+            engine, push = TransformersEngine(learner.lm, eos_ids, tokenizer.pad_token_id, state.version, all_done), None
+        engine.version = state.version
+        producer = _producer(config, dist, table, tokenizer, reward_fns, engine, rollouts)
+        undo.callback(producer.close, False)
+        if not saved:
+            state.sampler = producer.sampler.state_dict()
+        checkpointer = checkpoint.Checkpointer(out, dist, learner, producer, tokenizer, config.to_dict(), config.save_total_limit, plan is not None)
+        ready = checkpointer.restore_rank(resume_dir) if resume_dir else []
+        if resume_dir:
+            producer.sampler.load_state_dict(saved["sampler"])
+            _resume_logs(out, dist, resume_dir, state)
+        producer.start(state.round, ready)
+        producer.set_live_version(state.version)
+        last_step = config.max_steps
+        sync = WeightSync(engine, producer, dist, push, config.max_staleness if config.async_generate else None, last_step)
+        log = metrics.RunLog(out, dist.accelerator, dist.is_main, eval_table is not None, config.num_completions_to_log, last_step, not config.disable_tqdm)
+        evaluator = None
+        if eval_table is not None:
+            evaluator = Evaluator(engine, tokenizer, eval_table, reward_fns, config.sampling_params(), config.eval_num_generations, config.eval_greedy,
+                                  config.seed, config.eval_pass_threshold, dist, every_rank=plan is not None and servers is None, rollouts=rollouts)  # fmt: skip
+        undo.pop_all()
     return Run(_schedule(config, tool_names), dist, state, learner, producer, sync, checkpointer, log, evaluator, tokenizer, reward_fns, skipped, servers, pushes)
 
 
@@ -326,10 +335,15 @@ def _servers(config: TrainConfig, dist: Dist, learner: Learner, state: TrainStat
         if dist.is_main:
             servers.push(policy, version)
 
-    policy = policy_collective(state.version)
-    if dist.is_main:
-        servers.start(policy, lora.base_weights(learner.lm) if config.use_peft else None, state.version, state.run_id)
-    dist.barrier_collective("servers hold the run's weights")
+    try:
+        policy = policy_collective(state.version)
+        if dist.is_main:
+            servers.start(policy, lora.base_weights(learner.lm) if config.use_peft else None, state.version, state.run_id)
+        dist.barrier_collective("servers hold the run's weights")
+    except BaseException:
+        servers.close()  # let go of what start() claimed, and stop renewing it
+        pushes.close()
+        raise
     return servers, pushes, push_collective
 
 
