@@ -196,6 +196,8 @@ def test_a_grpo_config_dumped_by_trl_runs_as_it_is(tmp_path):
     # with trl 1.16.0 and transformers 5.23.0: every option of GRPOConfig and TrainingArguments,
     # 60 of them null (TRL's defaults), hub_token as its placeholder, max_steps -1 (epochs).
     dump = Path(__file__).with_name("trl_grpo_config_dump.yaml")
+    nulls = {k for k, v in yaml.safe_load(dump.read_text()).items() if v is None and k in compat.OPTIONS}
+    assert nulls <= compat.TRL_NULL_DEFAULTS, nulls - compat.TRL_NULL_DEFAULTS  # the table of TRL's null defaults is TRL's
     cfg = _config("--max_steps", "4", config_file=dump)
     assert (cfg.eval_num_generations, cfg.num_completions_to_log, cfg.importance_sampling_cap) == (4, 4, 3.0)  # nulls: tandem's defaults
     assert (cfg.eval_steps, cfg.fsdp, cfg.loss_type, cfg.learning_rate, cfg.gradient_checkpointing) == (0, "", "dapo", 1e-6, True)

@@ -399,7 +399,10 @@ def training_argument_default(key: str):
     from transformers import TrainingArguments
 
     declared = {f.name: f for f in dataclasses.fields(TrainingArguments)}[key]
-    default = declared.default_factory() if declared.default is dataclasses.MISSING else declared.default
+    if declared.default is not dataclasses.MISSING:
+        default = declared.default
+    else:
+        default = None if declared.default_factory is dataclasses.MISSING else declared.default_factory()
     return default.value if isinstance(default, enum.Enum) else default
 
 
