@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.rollout.engine import TransformersEngine
+from tandem.engines.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
 
 

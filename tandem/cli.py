@@ -48,7 +48,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _rollout(args: argparse.Namespace) -> int:
     with _collector_paused():
-        from tandem.rollout.server import serve
+        from tandem.server.app import serve
 
     return serve(args)
 
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The rollout server: generation, versioned weight updates, health. Binds 127.0.0.1 unless told otherwise.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    from tandem.rollout.options import add_arguments as add_server_arguments
+    from tandem.server.options import add_arguments as add_server_arguments
 
     add_server_arguments(p)
     p.set_defaults(run=_rollout)

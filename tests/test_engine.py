@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from tandem import linears
-from tandem.rollout import engine as engine_module
-from tandem.rollout.engine import TransformersEngine
+from tandem.engines import engine as engine_module
+from tandem.engines.engine import TransformersEngine
 from tandem.rollout.sampling import filter_logits, sample
 from tandem.rollout.types import Rollout, SamplingParams
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs

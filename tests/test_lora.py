@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import cli_here, restart_server_mid_run, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.client import RolloutClient
-from tandem.rollout.engine import TransformersEngine, eos_token_ids
+from tandem.engines.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.types import SamplingParams
 from tandem.rollout.weights import fingerprint
 from tandem.trainer.lora import adapter_weights

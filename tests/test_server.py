@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import HAVE_VLLM, KEY, LIMITS, Server, cli_here, free_port, run_cli
 from tandem.rollout.client import RolloutClient, RolloutServerError
-from tandem.rollout.engine import TransformersEngine
+from tandem.engines.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
 from tandem.rollout.weights import fingerprint
 

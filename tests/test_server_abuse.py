@@ -184,8 +184,8 @@ def test_4_the_server_never_sends_a_non_finite_log_prob(tiny_model):
     # refuses them) give NaN log-probs, which the service turns into an error, not JSON nulls.
     import asyncio
 
-    from tandem.rollout.engine import TransformersEngine
-    from tandem.rollout.serving import EngineFailure, RolloutService
+    from tandem.engines.engine import TransformersEngine
+    from tandem.server.serving import EngineFailure, RolloutService
     from tandem.rollout.types import SamplingParams
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model)

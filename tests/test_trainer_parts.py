@@ -567,7 +567,7 @@ def test_an_async_round_may_take_what_its_timeouts_allow_and_no_more(tiny_model,
 
     from tandem.data import GroupSampler
     from tandem.rewards import NamedReward
-    from tandem.rollout.engine import TransformersEngine
+    from tandem.engines.engine import TransformersEngine
     from tandem.rollout.types import SamplingParams
     from tandem.trainer.config import TrainConfig
     from tandem.trainer.producer import AsyncProducer, PromptTable, RoundTimeout

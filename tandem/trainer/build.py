@@ -39,7 +39,7 @@ from tandem import rewards as rewards_lib
 from tandem.algo import Objective
 from tandem.data import GroupSampler
 from tandem.loading import load_object
-from tandem.rollout.engine import TransformersEngine, eos_token_ids
+from tandem.engines.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.multiturn import MultiTurn, RolloutFunction, Rollouts, SingleTurn
 from tandem.rollout.tools import INVALID_CALL, UNKNOWN_TOOL, environment_tools, load_tools
 from tandem.trainer import checkpoint, lora, metrics, sharding

@@ -76,7 +76,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
     the prompts of `dataset`, with the transformers engine in this process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tandem.rollout.engine import TransformersEngine, eos_token_ids
+    from tandem.engines.engine import TransformersEngine, eos_token_ids
     from tandem.trainer.config import TrainConfig
     from tandem.trainer.setup import PromptOptions, load_prompts
     from tandem.trainer.sharding import is_sharded, load_model

@@ -21,7 +21,7 @@ import torch
 from tandem import rewards as rewards_lib
 from tandem.algo import zero_std_groups
 from tandem.data import GroupSampler
-from tandem.rollout.engine import Engine
+from tandem.engines.engine import Engine
 from tandem.rollout.multiturn import Prompt, Rollouts, SingleTurn, Trajectory
 from tandem.rollout.sampling import mix64
 from tandem.rollout.types import Rollout, SamplingParams

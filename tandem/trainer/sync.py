@@ -5,7 +5,7 @@ place, TrainState.after_round; this makes the new one live."""
 import time
 from typing import Callable
 
-from tandem.rollout.engine import Engine
+from tandem.engines.engine import Engine
 from tandem.trainer.dist import Dist
 from tandem.trainer.producer import SyncProducer
 

@@ -8,7 +8,7 @@ from pathlib import Path
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 DEFAULT_MAX_CHUNK_BYTES = 2 * 2**30
 DEFAULT_BODY_TIMEOUT = 30.0
-ENGINE_NAMES = ("transformers", "vllm")  # tandem.rollout.server.ENGINES loads each
+ENGINE_NAMES = ("transformers", "vllm")  # tandem.server.app.ENGINES loads each
 
 
 def api_key(args: argparse.Namespace) -> str | None:

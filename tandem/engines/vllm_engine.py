@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.rollout.engine import check_request, seed_bits
+from tandem.engines.engine import check_request, seed_bits
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.vllm_worker import SERVER_PID
+from tandem.engines.vllm_worker import SERVER_PID
 from tandem.rollout.weights import check_weights, fingerprint, safetensors_stream, sealed_memfd
 
 START_TIMEOUT = 1800.0  # seconds: a large model's first start on a GPU compiles and profiles for minutes
@@ -53,7 +53,7 @@ class VLLMEngine:
             # divides the logits by the request's temperature first: log softmax(logits / T),
             # what the transformers engine records and the trainer recomputes
             logprobs_mode="raw_logprobs",
-            worker_extension_cls="tandem.rollout.vllm_worker.WeightLoader",
+            worker_extension_cls="tandem.engines.vllm_worker.WeightLoader",
             **options,
         )
         os.environ[SERVER_PID] = str(os.getpid())  # vLLM's processes die with this one (vllm_worker)

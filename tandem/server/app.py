@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from tandem.rollout import protocol as P
-from tandem.rollout.options import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_REQUEST_BYTES, ENGINE_NAMES, api_key
-from tandem.rollout.serving import (
+from tandem.server import protocol as P
+from tandem.server.options import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_REQUEST_BYTES, ENGINE_NAMES, api_key
+from tandem.server.serving import (
     Busy, EngineFailure, HeldByAnotherRun, NotReady, OtherProcess, RolloutService, TooLarge, UnknownUpdate, VersionConflict,
 )  # fmt: skip
 from tandem.rollout.types import SamplingParams
@@ -322,7 +322,7 @@ def load_transformers_engine(args: argparse.Namespace):
     """A TransformersEngine on --model, as the trainer would load it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tandem.rollout.engine import TransformersEngine, eos_token_ids
+    from tandem.engines.engine import TransformersEngine, eos_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     lm = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
@@ -336,8 +336,8 @@ def load_vllm_engine(args: argparse.Namespace):
     """A VLLMEngine on --model, with vLLM's own options."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from tandem.rollout.engine import eos_token_ids
-    from tandem.rollout.vllm_engine import VLLMEngine
+    from tandem.engines.engine import eos_token_ids
+    from tandem.engines.vllm_engine import VLLMEngine
 
     folder = args.model
     if not os.path.isdir(folder):  # a hub name: one download, shared with vLLM
@@ -385,7 +385,7 @@ def kv_cache_bytes(folder: str, dtype: str, tokens: int) -> int:
 
 
 ENGINES = {"transformers": load_transformers_engine, "vllm": load_vllm_engine}
-assert sorted(ENGINES) == sorted(ENGINE_NAMES), "tandem.rollout.options lists the engines --engine offers"
+assert sorted(ENGINES) == sorted(ENGINE_NAMES), "tandem.server.options lists the engines --engine offers"
 
 
 def serve(args: argparse.Namespace) -> int:

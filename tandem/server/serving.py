@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.rollout.engine import Engine
+from tandem.engines.engine import Engine
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.adapters import check_adapter, check_pairs, merge
 from tandem.rollout.weights import check_weights, fingerprint, max_update_bytes
