@@ -102,6 +102,27 @@ def test_seeded_completions_repeat_and_do_not_depend_on_their_batch(served):
     assert other_seed.token_ids != alone.token_ids
 
 
+def test_the_openai_endpoint_answers_the_engines_completions_of_the_rendered_prompt(served, model64):
+    # Through OpenAI's own client: the chat answer's tokens are what the engine generates from the
+    # prompt the server rendered, with the seeds it derives from the request's (choice i: mix64(seed ^ i)).
+    import openai
+
+    from tandem.rollout.sampling import mix64
+
+    api = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": "2+2="}]
+    answer = api.chat.completions.create(model=str(model64), messages=messages, max_tokens=6, seed=3, n=2, logprobs=True, temperature=0.8)
+    tok = AutoTokenizer.from_pretrained(model64)
+    prompt = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert answer.model_extra["prompt_token_ids"] == prompt
+    client = client_of(served)
+    outs = client.generate([prompt, prompt], SamplingParams(max_tokens=6, temperature=0.8), [mix64(3 ^ i) & (2**63 - 1) for i in range(2)])
+    client.close()
+    for choice, out in zip(answer.choices, outs):
+        assert choice.model_extra["token_ids"] == out.token_ids
+        assert [t.logprob for t in choice.logprobs.content] == out.logprobs
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("transport", ["http", "shm"])
 def test_pushed_weights_generate_what_the_trainer_recomputes(served, model64, transport):

@@ -17,11 +17,13 @@ import torch
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from tandem.server import openai_protocol as O
 from tandem.server import protocol as P
+from tandem.server.openai_serving import ModelNotFound, OpenAIServing
 from tandem.server.options import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_REQUEST_BYTES, ENGINE_NAMES, api_key
 from tandem.server.serving import (
     Busy, EngineFailure, HeldByAnotherRun, NotReady, OtherProcess, RolloutService, TooLarge, UnknownUpdate, VersionConflict,
@@ -41,6 +43,15 @@ def _responses(*groups: dict[int, str]) -> dict:
     return {code: {"model": P.ErrorBody, "description": text} for group in groups for code, text in group.items()}
 
 
+def _openai_responses(*groups: dict[int, str]) -> dict:
+    """The /v1/ routes' errors, in OpenAI's shape."""
+    return {code: {"model": O.ErrorResponse, "description": text} for group in groups for code, text in group.items()}
+
+
+# A /v1/ generation's answer may also be server-sent events (stream: true).
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "the answer; with stream: true, as events"}}
+
+
 class Guard:
     """ASGI middleware that runs before any body is read: the API key (401 on every route but
     /health), the body size (413, by Content-Length or as it streams in) and the time between
@@ -58,18 +69,18 @@ class Guard:
         if self.api_key is not None and scope["path"] != "/health":
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                return await _error(send, 401, "missing or wrong 'Authorization: Bearer <api key>' header")
+                return await _error(send, 401, scope["path"], "missing or wrong 'Authorization: Bearer <api key>' header")
         limit = self.max_chunk if scope["path"].endswith("/chunk") else self.max_request
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await _error(send, 413, f"request body larger than the limit of {limit} bytes")
+            return await _error(send, 413, scope["path"], f"request body larger than the limit of {limit} bytes")
         seen, started, dropped = 0, False, False
 
         async def drop(status: int, message: str) -> dict:
             """Answer here, then tell the app the client is gone: its own answer is discarded."""
             nonlocal dropped
             if not started:
-                await _error(send, status, message, close=True)
+                await _error(send, status, scope["path"], message, close=True)
             dropped = True
             scope["tandem.dropped"] = message
             return {"type": "http.disconnect"}
@@ -103,8 +114,8 @@ class Guard:
         await self.app(scope, guarded_receive, guarded_send)
 
 
-async def _error(send, status: int, message: str, close: bool = False):
-    body = json.dumps({"error": message}).encode()
+async def _error(send, status: int, path: str, message: str, close: bool = False):
+    body = json.dumps(_error_body(path, message, status)).encode()
     headers = [(b"content-type", b"application/json")] + ([(b"connection", b"close")] if close else [])
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -133,33 +144,84 @@ def build_app(
     app = FastAPI(title="tandem rollout server", version="1", lifespan=lifespan)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, max_chunk_bytes=max_chunk_bytes, body_timeout=body_timeout)
     _error_bodies(app)
+    app.state.openai = OpenAIServing(service, model_name)  # its tokenizer is set once the model has loaded
     info = P.Info(model=model_name, engine="loading", dtype=dtype, device=device, version=0, vocab_size=0, max_model_len=0, max_batch_tokens=0,
                   max_request_bytes=max_request_bytes, max_weight_chunk_bytes=max_chunk_bytes, host_id=host_id(), threads=0, stats={})  # fmt: skip
-    for router in (_status_routes(service, info), _generation_routes(service), _weight_routes(service), _run_routes(service)):
+    for router in (_status_routes(service, info), _generation_routes(service), _weight_routes(service), _run_routes(service),
+                   _openai_routes(app.state.openai)):  # fmt: skip
         app.include_router(router)
     return app
 
 
 def _error_bodies(app: FastAPI) -> None:
-    """Every error answers {"error": message}, with the status its kind calls for."""
-    errors = {NotReady: 503, Busy: 503, VersionConflict: 409, OtherProcess: 409, HeldByAnotherRun: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400, EngineFailure: 500}
+    """Every error answers {"error": message}, with the status its kind calls for; under /v1/,
+    OpenAI's {"error": {"message", "type", "param", "code"}}, and a request it cannot take is a
+    400 there, as OpenAI answers."""
+    errors = {NotReady: 503, Busy: 503, VersionConflict: 409, OtherProcess: 409, HeldByAnotherRun: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400,
+              EngineFailure: 500, ModelNotFound: 404}  # fmt: skip
     for exc_type, status in errors.items():
-        app.add_exception_handler(exc_type, lambda request, exc, status=status: JSONResponse({"error": str(exc).strip("'\"")}, status))
+        app.add_exception_handler(exc_type, lambda request, exc, status=status: _error_response(request, str(exc).strip("'\""), status))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'] if x != 'body')}: {e['msg']}" for e in exc.errors())
+        where = [".".join(str(x) for x in e["loc"] if x != "body") for e in exc.errors()]
+        problems = "; ".join(f"{w}: {e['msg'].removeprefix('Value error, ')}" if w else e["msg"].removeprefix("Value error, ")
+                             for w, e in zip(where, exc.errors()))  # fmt: skip
+        if request.url.path.startswith("/v1/"):
+            return _error_response(request, f"invalid request: {problems}", 400, param=next((w for w in where if w), None))
         return JSONResponse({"error": f"invalid request: {problems}"}, 422)
 
     @app.exception_handler(StarletteHTTPException)  # also FastAPI's own (a subclass), e.g. a body it could not read
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse({"error": exc.detail}, exc.status_code)
+        return _error_response(request, exc.detail, exc.status_code)
 
     @app.exception_handler(ClientDisconnect)
     async def disconnected(request: Request, exc: ClientDisconnect):
         why = request.scope.get("tandem.dropped", "client disconnected")
         log.warning("%s during %s %s; request dropped", why, request.method, request.url.path)
         return JSONResponse({"error": why}, 400)  # nobody is left to read it
+
+
+def _error_response(request: Request, message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(request.url.path, message, status, param), status)
+
+
+def _error_body(path: str, message: str, status: int, param: str | None = None) -> dict:
+    """{"error": message}; under /v1/ OpenAI's shape, which its clients read."""
+    if path.startswith("/v1/"):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": message}
+
+
+def _openai_routes(serving: OpenAIServing) -> APIRouter:
+    """OpenAI's API, for agents written against it (openai_serving.py)."""
+    router = APIRouter()
+
+    answers = {**_openai_responses(_AUTH, {400: "a value the server cannot use, or a malformed request", 404: "another model than the one served"}, _ENGINE),
+               **_STREAMED}  # fmt: skip
+
+    @router.get("/v1/models", response_model=O.ModelList, responses=_openai_responses(_AUTH))
+    async def models():
+        return serving.models()
+
+    @router.post("/v1/chat/completions", response_model=O.ChatCompletion, responses=answers)
+    async def chat(req: O.ChatCompletionRequest):
+        return _answered(req, await serving.chat(req), serving.chat_chunks)
+
+    @router.post("/v1/completions", response_model=O.Completion, responses=answers)
+    async def complete(req: O.CompletionRequest):
+        return _answered(req, await serving.complete(req), serving.completion_chunks)
+
+    return router
+
+
+def _answered(req, response, chunks):
+    """The answer as it is, or with stream: true as server-sent events of its chunks."""
+    if not req.stream:
+        return response
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    return StreamingResponse(chunks(response, include_usage), media_type="text/event-stream")
 
 
 def _status_routes(service: RolloutService, info: P.Info) -> APIRouter:
@@ -425,6 +487,9 @@ def serve(args: argparse.Namespace) -> int:
             server.should_exit = True
             load_failed.set()
             return
+        from transformers import AutoTokenizer
+
+        app.state.openai.tokenizer = AutoTokenizer.from_pretrained(args.model)
         service.set_engine(engine, vocab, max_len)
         print(f"tandem rollout: {args.model} ready on http://{args.host}:{args.port} (version 0)", flush=True)
 

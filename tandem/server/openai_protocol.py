@@ -1,0 +1,264 @@
+"""The OpenAI-compatible endpoint's wire format (`/v1/chat/completions`, `/v1/completions`,
+`/v1/models`), in the shape of OpenAI's API and vLLM's `entrypoints/openai/protocol.py`.
+
+A request field tandem cannot honour is refused (400, naming it), never ignored: a client that
+asks for `top_logprobs` or a forced tool call must not get something else without knowing. Fields
+OpenAI's own client sends back unchanged inside earlier messages (an assistant message's
+`refusal`, `annotations`, `audio`, `function_call`, all null) are accepted when null. Every
+response also carries the token ids of the prompt and of each completion (as vLLM's
+`return_token_ids` does), so a client can train on exactly the engine's tokens.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tandem.rollout.types import REPETITION_PENALTY_RANGE, TEMPERATURE_RANGE
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# What OpenAI's client writes into an assistant message it hands back (ChatCompletionMessage
+# dumped), null where tandem's responses leave them.
+_ECHOED = ("refusal", "annotations", "audio", "function_call")
+
+
+class _Request(BaseModel):
+    # A field tandem does not know is an error naming it (OpenAI answers the same: 400).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI writes it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _known(self):
+        extra = {k: v for k, v in (self.model_extra or {}).items() if not (k in _ECHOED and v in (None, []))}
+        if extra:
+            raise ValueError(f"message fields {sorted(extra)} are not supported")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class FunctionSpec(_Request):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    model: str
+    n: int = Field(1, ge=1, le=64)
+    temperature: float | None = Field(None, ge=0, le=TEMPERATURE_RANGE[1], description="0 is greedy (sampled at 0.01).")
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extensions, named as there
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    # What tandem cannot honour, refused when set to anything but the value that asks for nothing.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    @model_validator(mode="after")
+    def _honoured(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ValueError(f"{name} is not supported (use repetition_penalty, vLLM's)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(..., min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _chat(self):
+        if self.top_logprobs:
+            raise ValueError("top_logprobs is not supported: the engines report the sampled token's log-prob only (logprobs: true)")
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens differ; give one")
+        return self
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(..., description="Text, or token ids")
+    logprobs: int | None = Field(None, ge=0, le=0, description="0: the sampled tokens' log-probs (more is not supported)")
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _plain(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        return self
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+# ---------------------------------------------------------------- responses
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int]  # the completion's tokens, exactly as the engine produced them
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int]  # the prompt as the server rendered and tokenized it
+    version: int  # the policy version of the weights that generated every choice (tandem's)
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class TextChoiceLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list | None = None
+    text_offset: list[int]
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: TextChoiceLogprobs | None = None
+    token_ids: list[int]
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+    prompt_token_ids: list[int]
+    version: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
