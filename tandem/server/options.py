@@ -9,18 +9,25 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 DEFAULT_MAX_CHUNK_BYTES = 2 * 2**30
 DEFAULT_BODY_TIMEOUT = 30.0
 ENGINE_NAMES = ("transformers", "vllm")  # tandem.server.app.ENGINES loads each
+API_KEY_ENV = "TANDEM_API_KEY"  # the rollout servers' key, read by `tandem rollout` and `tandem train` alike
+
+
+def read_api_key(given: str | None, file: str | None, file_option: str) -> str | None:
+    """The servers' key: `given`, else the first line of `file`, else the environment's
+    TANDEM_API_KEY, else None. A file without a key is a ValueError naming `file_option`."""
+    if given is not None:
+        return given
+    if file is not None:
+        try:
+            return Path(file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise ValueError(f"{file_option} {file}: no key read from it ({exc or 'the file is empty'})") from None
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """The key: --api-key, else the first line of --api-key-file, else TANDEM_API_KEY, else None."""
-    if args.api_key:
-        return args.api_key
-    if args.api_key_file:
-        try:
-            return Path(args.api_key_file).read_text().splitlines()[0].strip()
-        except (OSError, IndexError) as exc:
-            raise ValueError(f"--api-key-file {args.api_key_file}: no key read from it ({exc or 'the file is empty'})") from None
-    return os.environ.get("TANDEM_API_KEY") or None
+    """`tandem rollout`'s key: --api-key, else --api-key-file, else TANDEM_API_KEY."""
+    return read_api_key(args.api_key or None, args.api_key_file or None, "--api-key-file")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

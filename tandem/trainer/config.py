@@ -20,11 +20,11 @@ from tandem.algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OFF_POLICY_CORRE
 from tandem.data import PROMPT_TRUNCATION
 from tandem.rewards import ON_TIMEOUT
 from tandem.rollout.types import SamplingParams
+from tandem.server.options import API_KEY_ENV, read_api_key
 from tandem.trainer import compat
 from tandem.trainer.metrics import check_report_to
 
 ROLLOUT_MODES = ("colocate", "server")
-API_KEY_ENV = "TANDEM_API_KEY"  # the rollout servers' key, read by `tandem train` and `tandem rollout` alike
 REDACTED = "<redacted>"  # a secret as saved and printed configs show it
 NONFINITE_POLICIES = ("skip", "error")
 WEIGHT_TRANSPORTS = ("auto", "http", "shm")
@@ -511,14 +511,10 @@ class TrainConfig:
     def api_key(self) -> str | None:
         """The servers' key: rollout_api_key, else the first line of rollout_api_key_file, else
         the environment's TANDEM_API_KEY, else None."""
-        if self.rollout_api_key is not None:
-            return self.rollout_api_key
-        if self.rollout_api_key_file is not None:
-            try:
-                return Path(self.rollout_api_key_file).read_text().splitlines()[0].strip()
-            except (OSError, IndexError) as exc:
-                raise ConfigError(f"rollout_api_key_file={self.rollout_api_key_file}: no key read from it ({exc or 'the file is empty'})") from None
-        return os.environ.get(API_KEY_ENV) or None
+        try:
+            return read_api_key(self.rollout_api_key, self.rollout_api_key_file, "rollout_api_key_file")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 class ConfigError(ValueError):
