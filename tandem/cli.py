@@ -33,6 +33,7 @@ def _train(args: argparse.Namespace) -> int:
     with _collector_paused():
         from tandem.trainer.config import config_from_args
         from tandem.trainer.loop import NonFiniteStepError, Preempted, train
+        from tandem.trainer.stops import SIGTERM_EXIT
 
     config = config_from_args(args)  # validated here, before any model loads
     try:
@@ -42,7 +43,7 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     except Preempted as exc:
         print(f"tandem: {exc}", file=sys.stderr)
-        return 143  # 128 + SIGTERM, as a process the signal ended
+        return SIGTERM_EXIT
     return 0
 
 

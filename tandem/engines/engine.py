@@ -1,5 +1,6 @@
 """Generation engines behind one small interface. The transformers engine comes first."""
 
+from contextlib import contextmanager
 from typing import Callable, Protocol
 
 import torch
@@ -22,6 +23,17 @@ def eos_token_ids(tokenizer, generation_config, where: str) -> list[int]:
         raise ValueError(f"{where}: neither the tokenizer nor generation_config names an EOS token")
     return sorted(ids)
 
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """`model` in eval mode inside (no dropout), back in the mode it was in after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 class Engine(Protocol):
     """What the producer and the rollout server need from an engine."""
@@ -194,13 +206,8 @@ class TransformersEngine:
             return []
         if idle:  # sharded: nothing of its own to generate, it still takes part in every other process's forward calls
             prompts, seeds = [[self.pad_token_id]], [0]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with fast_linears(self.model, pack=params.max_tokens >= PACK_MIN_TOKENS and self.all_done is None):
-                out = self._generate(prompts, params, seeds, idle)
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), fast_linears(self.model, pack=params.max_tokens >= PACK_MIN_TOKENS and self.all_done is None):
+            out = self._generate(prompts, params, seeds, idle)
         return [] if idle else out
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], idle: bool = False) -> list[Completion]:

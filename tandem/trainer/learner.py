@@ -4,7 +4,6 @@ update. What the run's mode and sharding decide (DDP's or FSDP's gradient-sync s
 micro-batches, LoRA's reference) is resolved when it is built; its methods branch on none of it."""
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +19,7 @@ from tandem.algo import (
     off_policy_sequence_mask,
     policy_loss,
 )
+from tandem.engines.engine import eval_mode
 from tandem.rollout.types import Rollout
 from tandem.trainer import sharding
 from tandem.trainer.batch import collate, completion_logprobs
@@ -85,17 +85,6 @@ class ReferenceSync:
     every: int = 0
 
 
-@contextmanager
-def eval_mode(model: torch.nn.Module):
-    """`model` in eval mode inside, back in the mode it was in after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 class Learner:
     def __init__(self, model, optimizer, scheduler, ref_model, dist: Dist, pad_id: int, loss: LossSettings, micro_batch: int,
                  max_grad_norm: float, on_nonfinite: str, lockstep: bool, grad_sync: Callable[[bool], None],
@@ -133,17 +122,13 @@ class Learner:
         autocast: the reference model is not prepared by accelerate, and a reference in fp32
         against a bf16 policy would make KL(current || ref) non-zero at step 0. In eval mode, as
         TRL computes them: no dropout in the policies the ratio and the KL compare with."""
-        with eval_mode(model):
-            return self._logprobs_in_batches(model, rollouts)
-
-    def _logprobs_in_batches(self, model, rollouts: list[Rollout]) -> list[torch.Tensor]:
         out = []
         for lo in range(0, len(rollouts), self.micro_batch):
             chunk = rollouts[lo : lo + self.micro_batch]
             mb = collate(chunk, self.pad_id, self.dist.device, False, lockstep=self.lockstep)
             if self.lockstep:
                 self.dist.enter("forward (sharded, no gradient)")
-            with self.dist.accelerator.autocast():
+            with eval_mode(model), self.dist.accelerator.autocast():
                 logps, _ = completion_logprobs(model, mb, self.loss.temperature)  # (n, C)
             out += [logps[i, : len(r.completion_ids)].cpu() for i, r in enumerate(chunk)]
         return out
