@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-VENV=.venv EXTRAS=test CONSTRAINTS=constraints.txt
+VENV=.venv EXTRAS=test,agents CONSTRAINTS=constraints.txt
 if [ "${1:-}" = "--vllm" ]; then
     VENV=.venv-vllm EXTRAS=test,vllm CONSTRAINTS=constraints-vllm.txt
 fi

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 from tandem.server import openai_protocol as O
 from tandem.server import protocol as P
 from tandem.server.openai_serving import ModelNotFound, OpenAIServing
+from tandem.server.sessions import UnknownSession
 from tandem.server.options import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_REQUEST_BYTES, ENGINE_NAMES, api_key
 from tandem.server.serving import (
     Busy, EngineFailure, HeldByAnotherRun, NotReady, OtherProcess, RolloutService, TooLarge, UnknownUpdate, VersionConflict,
@@ -158,7 +159,7 @@ def _error_bodies(app: FastAPI) -> None:
     OpenAI's {"error": {"message", "type", "param", "code"}}, and a request it cannot take is a
     400 there, as OpenAI answers."""
     errors = {NotReady: 503, Busy: 503, VersionConflict: 409, OtherProcess: 409, HeldByAnotherRun: 409, UnknownUpdate: 404, TooLarge: 413, ValueError: 400,
-              EngineFailure: 500, ModelNotFound: 404}  # fmt: skip
+              EngineFailure: 500, ModelNotFound: 404, UnknownSession: 404}  # fmt: skip
     for exc_type, status in errors.items():
         app.add_exception_handler(exc_type, lambda request, exc, status=status: _error_response(request, str(exc).strip("'\""), status))
 
@@ -167,7 +168,7 @@ def _error_bodies(app: FastAPI) -> None:
         where = [".".join(str(x) for x in e["loc"] if x != "body") for e in exc.errors()]
         problems = "; ".join(f"{w}: {e['msg'].removeprefix('Value error, ')}" if w else e["msg"].removeprefix("Value error, ")
                              for w, e in zip(where, exc.errors()))  # fmt: skip
-        if request.url.path.startswith("/v1/"):
+        if "/v1/" in request.url.path:
             return _error_response(request, f"invalid request: {problems}", 400, param=next((w for w in where if w), None))
         return JSONResponse({"error": f"invalid request: {problems}"}, 422)
 
@@ -188,7 +189,7 @@ def _error_response(request: Request, message: str, status: int, param: str | No
 
 def _error_body(path: str, message: str, status: int, param: str | None = None) -> dict:
     """{"error": message}; under /v1/ OpenAI's shape, which its clients read."""
-    if path.startswith("/v1/"):
+    if "/v1/" in path:
         kind = "invalid_request_error" if status < 500 else "server_error"
         return {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return {"error": message}

@@ -25,9 +25,11 @@ class ModelNotFound(ValueError):
 
 
 class OpenAIServing:
-    def __init__(self, service, model_name: str, tool_parser: str = "hermes"):
-        """`service`: the RolloutService; the tokenizer is set once the model has loaded."""
+    def __init__(self, service, model_name: str, tool_parser: str = "hermes", template_kwargs: dict | None = None):
+        """`service`: the RolloutService; the tokenizer is set once the model has loaded.
+        `template_kwargs`: the chat template's other arguments (a run's chat_template_kwargs)."""
         self.service, self.model_name, self.parse = service, model_name, TOOL_PARSERS[tool_parser]
+        self.template_kwargs = dict(template_kwargs or {})
         self.tokenizer = None
         self.created = int(time.time())
 
@@ -41,7 +43,7 @@ class OpenAIServing:
         assistant's turn opened."""
         messages = [_template_message(m) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        text = self._tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = self._tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **self.template_kwargs)
         return self._tokenizer()(text, add_special_tokens=False)["input_ids"]
 
     async def chat(self, req: O.ChatCompletionRequest) -> O.ChatCompletion:
@@ -49,8 +51,11 @@ class OpenAIServing:
         outs = await self._generate(prompt, req)
         parse = req.tools and req.tool_choice != "none"
         choices = [self._chat_choice(i, out, req, parse) for i, out in enumerate(outs)]
+        return self._chat_response(req, prompt, choices, min(o.version for o in outs))
+
+    def _chat_response(self, req: O.ChatCompletionRequest, prompt: list[int], choices: list[O.ChatChoice], version: int) -> O.ChatCompletion:
         return O.ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=req.model, choices=choices,
-                                usage=_usage(prompt, choices), prompt_token_ids=prompt, version=min(o.version for o in outs))  # fmt: skip
+                                usage=_usage(prompt, choices), prompt_token_ids=prompt, version=version)  # fmt: skip
 
     def _chat_choice(self, index: int, out: Completion, req: O.ChatCompletionRequest, parse: bool) -> O.ChatChoice:
         ids, text, finish = self._cut(out, req.stops())
@@ -88,19 +93,23 @@ class OpenAIServing:
     # ------------------------------------------------------------------ completions
 
     async def complete(self, req: O.CompletionRequest) -> O.Completion:
-        prompt = list(req.prompt) if isinstance(req.prompt, list) else self._tokenizer()(req.prompt)["input_ids"]
+        prompt = self._text_prompt(req)
         outs = await self._generate(prompt, req)
-        choices = []
-        for i, out in enumerate(outs):
-            ids, text, finish = self._cut(out, req.stops())
-            logprobs = None
-            if req.logprobs is not None:
-                tokens = [t.token for t in self._token_logprobs(ids, out.logprobs)]
-                offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
-                logprobs = O.TextChoiceLogprobs(tokens=tokens, token_logprobs=list(out.logprobs[: len(ids)]), text_offset=offsets)
-            choices.append(O.TextChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs, token_ids=ids))
+        choices = [self._text_choice(i, out, req) for i, out in enumerate(outs)]
         return O.Completion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=req.model, choices=choices,
                             usage=_usage(prompt, choices), prompt_token_ids=prompt, version=min(o.version for o in outs))  # fmt: skip
+
+    def _text_prompt(self, req: O.CompletionRequest) -> list[int]:
+        return list(req.prompt) if isinstance(req.prompt, list) else self._tokenizer()(req.prompt)["input_ids"]
+
+    def _text_choice(self, index: int, out: Completion, req: O.CompletionRequest) -> O.TextChoice:
+        ids, text, finish = self._cut(out, req.stops())
+        logprobs = None
+        if req.logprobs is not None:
+            tokens = [t.token for t in self._token_logprobs(ids, out.logprobs)]
+            offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+            logprobs = O.TextChoiceLogprobs(tokens=tokens, token_logprobs=list(out.logprobs[: len(ids)]), text_offset=offsets)
+        return O.TextChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs, token_ids=ids)
 
     def completion_chunks(self, response: O.Completion, include_usage: bool):
         for choice in response.choices:

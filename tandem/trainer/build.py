@@ -40,8 +40,10 @@ from tandem.algo import Objective
 from tandem.data import GroupSampler
 from tandem.loading import load_object
 from tandem.engines.engine import TransformersEngine, eos_token_ids
+from tandem.rollout.agents import AgentFunction, AgentOptions
 from tandem.rollout.multiturn import MultiTurn, RolloutFunction, Rollouts, SingleTurn
 from tandem.rollout.tools import INVALID_CALL, UNKNOWN_TOOL, environment_tools, load_tools
+from tandem.server.sessions import SessionServing, SessionStore
 from tandem.trainer import checkpoint, lora, metrics, sharding
 from tandem.trainer.batch import PrefixSharingLM
 from tandem.trainer.config import ConfigError, TrainConfig, resume_changes
@@ -78,6 +80,7 @@ class Schedule:
     output_dir: str
     sigterm_timeout: float  # seconds from a SIGTERM to the exit, whatever the run is doing
     tool_names: list[str] | None = None  # a multi-turn run's tools (metrics per tool); None: one turn
+    agents: bool = False  # agent_func: agents/* metrics
 
 
 @dataclass
@@ -354,6 +357,8 @@ def _turns(config: TrainConfig, tokenizer, all_done) -> tuple[Rollouts, dict, li
     template_kwargs = dict(config.chat_template_kwargs or {})
     if not config.multi_turn():
         return SingleTurn(), template_kwargs, None
+    if config.agent_func:
+        return _agents(config, tokenizer, template_kwargs), template_kwargs, []
     if config.rollout_func:
         try:
             fn = load_object(config.rollout_func, "rollout_func")
@@ -375,6 +380,17 @@ def _turns(config: TrainConfig, tokenizer, all_done) -> tuple[Rollouts, dict, li
                          config.max_completion_length, config.tool_timeout, config.max_tool_response_tokens, all_done,
                          tool_workers=config.tool_workers)  # fmt: skip
     return rollouts, template_kwargs, [t.name for t in every_tool] + [INVALID_CALL, UNKNOWN_TOOL]
+
+
+def _agents(config: TrainConfig, tokenizer, template_kwargs: dict) -> AgentFunction:
+    """agent_func: the user's agent, and the endpoint its sessions run on (in this process)."""
+    try:
+        fn = load_object(config.agent_func, "agent_func")
+        serving = SessionServing(SessionStore(), tokenizer, config.model_name_or_path, config.sampling_params(), template_kwargs, config.tool_parser)
+        options = AgentOptions(config.agent_timeout, config.max_turns, config.max_completion_length, config.agent_failure)
+        return AgentFunction(fn, config.agent_func, tokenizer, serving, options)
+    except (ValueError, OSError, ImportError, TypeError) as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _producer(config: TrainConfig, dist: Dist, table, tokenizer, reward_fns, engine, rollouts: Rollouts) -> SyncProducer:
@@ -422,4 +438,5 @@ def _schedule(config: TrainConfig, tool_names: list[str] | None) -> Schedule:
         output_dir=config.output_dir,
         sigterm_timeout=config.sigterm_timeout,
         tool_names=tool_names,
+        agents=config.agent_func is not None,
     )

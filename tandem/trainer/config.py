@@ -103,6 +103,10 @@ class TrainConfig:
     tools: list[str] = opt([], "Tools the model may call: built-in names (calculator), 'path/file.py:fn' or 'package.module:fn' (plain or async def, with type hints and a docstring). Their JSON schemas go to the chat template; calls in the model's text are run and their results appended as tool messages, turn after turn. Needs chat prompts.", "tools and multi-turn")
     environment_factory: str | None = opt(None, "'path/file.py:Class' or 'module:Class': one instance per trajectory; reset(**row) may return text appended to the prompt, its public methods are tools, an optional step(text) gives the next observation (a user message; None ends the trajectory), an optional get_reward() is the reward function 'environment'.", "tools and multi-turn")
     rollout_func: str | None = opt(None, "'path/file.py:fn' or 'module:fn', an async def fn(prompt, generate, tokenizer) -> {completion_ids, loss_mask[, messages]}: a user's own agent, which awaits generate(token_ids) for the engine's tokens; its loss_mask 1 tokens must be exactly those (see docs/multi-turn.md).", "tools and multi-turn")
+    agent_func: str | None = opt(None, "'path/file.py:fn' or 'module:fn', an async def fn(row, client): an agent written against OpenAI's API (the Agents SDK, LangChain, your own loop) run unchanged with `client`, an openai.AsyncOpenAI bound to a session of this trajectory; every token it is answered is the engine's, trained exactly. It may return a reward (reward function 'environment'). See docs/agents.md.", "tools and multi-turn")
+    agent_timeout: float = opt(300.0, "With agent_func: seconds one agent's episode may take; an agent still running is ended and counted (agents/timeouts).", "tools and multi-turn")
+    max_turns: int = opt(32, "With agent_func: most requests per session; the next is refused and the episode ends there.", "tools and multi-turn")
+    agent_failure: str = opt("drop", "With agent_func, an agent that raises or times out: 'drop' its trajectory (no reward, no loss, as an engine's error) or 'zero' (reward 0 for what it generated).", "tools and multi-turn")
     max_tool_calling_iterations: int | None = opt(None, "Most turns that call tools per trajectory; none: until a turn calls none or max_completion_length is filled (TRL's).", "tools and multi-turn")
     tool_parser: str = opt("hermes", "How tool calls are found in the model's text: 'hermes', <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Qwen3).", "tools and multi-turn")
     tool_timeout: float = opt(30.0, "Seconds one tool call may take; a call past it gives the model an error message as its result.", "tools and multi-turn")
@@ -255,10 +259,12 @@ class TrainConfig:
         calls = 1 + (self.max_resample_times if self.dynamic_sample else 0)
         turns = 1 + self.tool_turns() if self.multi_turn() else 1
         generate = turns * (self.rollout_server_timeout + self.rollout_request_timeout) + (turns - 1) * self.tool_timeout
+        if self.agent_func:  # an episode is cut at agent_timeout, whatever its turns
+            generate = self.agent_timeout
         return calls * (generate + len(self.reward_funcs) * self.reward_timeout) + 60.0
 
     def multi_turn(self) -> bool:
-        return bool(self.tools) or self.environment_factory is not None or self.rollout_func is not None
+        return bool(self.tools) or self.environment_factory is not None or self.rollout_func is not None or self.agent_func is not None
 
     def tool_turns(self) -> int:
         """Most turns after the first: max_tool_calling_iterations, or as many as max_completion_length allows."""
@@ -306,8 +312,16 @@ class TrainConfig:
         need(not (self.rollout_func and self.fsdp and self.rollout_mode == "colocate"), "fsdp",
              "a rollout_func with a sharded colocated engine is not built (its generate calls cannot be kept in lockstep across "
              "processes): use rollout_mode server, or DDP")  # fmt: skip
-        need("environment" not in self.reward_funcs or self.environment_factory is not None, "reward_funcs",
-             "the reward 'environment' is an environment's get_reward(): give environment_factory too")  # fmt: skip
+        need("environment" not in self.reward_funcs or self.environment_factory is not None or self.agent_func is not None, "reward_funcs",
+             "the reward 'environment' is an environment's get_reward() or an agent_func's return value: give one of them too")  # fmt: skip
+        need(self.agent_func is None or not (self.tools or self.environment_factory or self.rollout_func), "agent_func",
+             "runs the whole episode itself through its client: give it without tools, environment_factory and rollout_func")  # fmt: skip
+        need(not (self.agent_func and self.fsdp and self.rollout_mode == "colocate"), "fsdp",
+             "an agent_func with a sharded colocated engine is not built (its requests cannot be kept in lockstep across "
+             "processes): use rollout_mode server, or DDP")  # fmt: skip
+        need(self.agent_timeout > 0, "agent_timeout", "must be > 0 seconds")
+        need(self.max_turns >= 1, "max_turns", "must be >= 1")
+        need(self.agent_failure in ("drop", "zero"), "agent_failure", "must be 'drop' or 'zero'")
 
     def _validate_run(self, need) -> None:
         """Every number finite; the model, data, seed, and how generation is done."""
@@ -483,7 +497,9 @@ class TrainConfig:
             "token_normalizer": (self.loss_type not in ("dapo", "cispo", "vespo") or self.steps_per_generation == self.gradient_accumulation_steps,
                                  "loss_type dapo, cispo or vespo and steps_per_generation > gradient_accumulation_steps"),
             **{k: (not (self.tools or self.environment_factory), "tools or environment_factory")
-               for k in ("max_tool_calling_iterations", "tool_parser", "tool_timeout", "max_tool_response_tokens")},
+               for k in ("max_tool_calling_iterations", "tool_timeout", "max_tool_response_tokens")},
+            "tool_parser": (not (self.tools or self.environment_factory or self.agent_func), "tools, environment_factory or agent_func"),
+            **{k: (not self.agent_func, "agent_func") for k in ("agent_timeout", "max_turns", "agent_failure")},
             "tool_workers": (not self.tools, "tools"),
         }
         out = [f"{name}={getattr(self, name)!r} has no effect without {needs}" for name, (unused, needs) in idle.items()

@@ -235,7 +235,7 @@ def step_record_collective(run: Run, rnd: Round, batch: Prepared, loss_sum, grad
     if run.schedule.tool_names is not None:  # a multi-turn run
         totals, longest = metrics.turn_counts(rnd.rollouts, run.schedule.tool_names)
         longest = dist.gather_collective(longest.view(1), "most turns").max().item()
-        record.update(metrics.turn_metrics(dist.sum_collective(totals, "turn counts"), longest, run.schedule.tool_names))
+        record.update(metrics.turn_metrics(dist.sum_collective(totals, "turn counts"), longest, run.schedule.tool_names, run.schedule.agents))
     return record
 
 

@@ -237,6 +237,7 @@ def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.N
         max_completion_length=max_tokens,
         **columns,
     )
+    scores[[bool(ro.turns and ro.turns.get("zero_reward")) for ro in rollouts]] = 0.0  # a failed agent's, with agent_failure zero
     scores[[ro.failed for ro in rollouts]] = float("nan")  # an unfinished text earns nothing: see Rollout.failed
     return scores, completions
 
