@@ -1,0 +1,195 @@
+"""agent_func: agents written against OpenAI's API, trained through sessions of the endpoint.
+
+The agents here are real clients: OpenAI's own Python client (async, and sync in a thread, with
+and without stream) and the OpenAI Agents SDK, unmodified, talking HTTP to the trainer's
+endpoint (a real uvicorn server). The engine is the real transformers engine on the tiny model.
+What is checked: every trained token is the engine's, generated on exactly the tokens before it,
+from the seed of its turn; a rewritten history starts a row and is never spliced; bounds, hangs
+and failures end an episode with a metric; sessions refuse what they cannot honour. The modes
+(colocated, server sync and async, 2 processes, resume) are trained through the CLI below.
+"""
+
+import asyncio
+import json
+import time
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import cli_here
+from tandem.demo import addition_rows, write_jsonl
+from tandem.engines.engine import TransformersEngine, eos_token_ids
+from tandem.rollout.agents import AgentFunction, AgentOptions
+from tandem.rollout.multiturn import Prompt, turn_seed
+from tandem.rollout.types import SamplingParams
+from tandem.server.sessions import SessionServing, SessionStore
+
+PARAMS = SamplingParams(max_tokens=64)
+QUESTIONS = ["2+3=", "4+1="]
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model)
+    return TransformersEngine(lm, eos_token_ids(tok, lm.generation_config, str(tiny_model)), tok.pad_token_id), tok
+
+
+def _run(local, fn, seeds=(11, 22), timeout=30.0, failure="drop", max_turns=8, max_len=64, min_version=0):
+    engine, tok = local
+    agents = AgentFunction(fn, "test:agent", tok, SessionServing(SessionStore(), tok, "policy", PARAMS, {}, "hermes"),
+                           AgentOptions(timeout, max_turns, max_len, failure))  # fmt: skip
+    prompts = []
+    for q in QUESTIONS[: len(seeds)]:
+        messages = [{"role": "user", "content": q}]
+        ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+        prompts.append(Prompt(ids, messages, {"answer": "5"}))
+    try:
+        return agents.generate(engine, prompts, PARAMS, list(seeds), min_version), agents
+    finally:
+        agents.close()
+
+
+def _turn_starts(mask: list[int]) -> list[int]:
+    return [k for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1])]
+
+
+def _assert_engine_tokens(local, traj, seed: int, first_turn: int = 0):
+    """Each run of trained tokens is what the engine generates on the tokens before it, from the
+    seed of its turn of the session: token ids and behaviour log-probs alike."""
+    engine, _ = local
+    starts = _turn_starts(traj.loss_mask)
+    assert len(starts) == traj.info["turns"] >= 1
+    for k, pos in enumerate(starts):
+        end = next((j for j in range(pos, len(traj.loss_mask)) if not traj.loss_mask[j]), len(traj.loss_mask))
+        (want,) = engine.generate([traj.prompt_ids + traj.token_ids[:pos]], PARAMS, [turn_seed(seed, first_turn + k)])
+        assert traj.token_ids[pos:end] == want.token_ids[: end - pos]
+        assert traj.logprobs[pos:end] == pytest.approx(want.logprobs[: end - pos], abs=1e-5)
+    assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.loss_mask) if not m)
+
+
+async def _ask_twice(row, client):
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model="any", messages=messages, max_tokens=6, logprobs=True)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+    second = await client.chat.completions.create(model="any", messages=messages, max_tokens=6)
+    return float(second.choices[0].message.content == row["answer"])
+
+
+@pytest.mark.quick
+def test_an_agents_turns_are_the_engines_tokens_with_the_glue_between_them_out_of_the_loss(local):
+    (t0, t1), _ = _run(local, _ask_twice, min_version=0)
+    _, tok = local
+    for traj, seed in ((t0, 11), (t1, 22)):
+        _assert_engine_tokens(local, traj, seed)
+        assert traj.info["turns"] == 2 and traj.info["versions"] == [0, 0] and traj.info["agent"]["new_rows"] == 0
+        # between the turns: the template's glue and the user's "Sure?", never trained
+        glue = tok.decode([i for i, m in zip(traj.token_ids, traj.loss_mask) if not m])
+        assert "Sure?" in glue and "<|im_start|>user" in glue
+        assert [m["role"] for m in traj.info["messages"]] == ["assistant", "user", "assistant"]
+        assert traj.info["environment_reward"] in (0.0, 1.0) and traj.finish_reason in ("stop", "length")
+    assert t0.token_ids != t1.token_ids  # sessions draw from seeds of their own
+    # the same seeds, the same trajectories (a deterministic agent is reproducible from the run's seed)
+    (again, _), _ = _run(local, _ask_twice)
+    assert again.token_ids == t0.token_ids and again.logprobs == t0.logprobs
+
+
+async def _rewrites(row, client):
+    first = await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=4)
+    reply = first.choices[0].message.content
+    # the agent edits its history: its own earlier reply, summarised
+    edited = [*row["prompt"], {"role": "assistant", "content": reply + "!"}, {"role": "user", "content": "Again."}]
+    second = await client.chat.completions.create(model="any", messages=edited, max_tokens=4)
+    edited += [{"role": "assistant", "content": second.choices[0].message.content}, {"role": "user", "content": "Once more."}]
+    await client.chat.completions.create(model="any", messages=edited, max_tokens=4)
+
+
+@pytest.mark.quick
+def test_an_agent_that_rewrites_its_history_starts_a_new_row_and_nothing_is_spliced(local):
+    (traj,), _ = _run(local, _rewrites, seeds=(7,))
+    _, tok = local
+    # the trained row begins at the rewritten request, rendered whole as its prompt: the edited
+    # reply is prompt, not trained; its two turns (session turns 1 and 2) are the engine's
+    assert traj.info["agent"]["new_rows"] == 1 and traj.info["turns"] == 2
+    assert "Again." in tok.decode(traj.prompt_ids) and "Once more." in tok.decode(traj.token_ids)
+    _assert_engine_tokens(local, traj, 7, first_turn=1)
+
+
+async def _streams(row, client):
+    # a sync client in a thread, streamed; then the async one, streamed, in the same session
+    sync = openai.OpenAI(base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
+    chunks = await asyncio.to_thread(lambda: list(sync.chat.completions.create(model="any", messages=row["prompt"], max_tokens=5, stream=True)))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    messages = [*row["prompt"], {"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
+    stream = await client.chat.completions.create(model="any", messages=messages, max_tokens=5, stream=True)
+    async for _ in stream:
+        pass
+
+
+def test_streamed_turns_from_the_sync_and_async_clients_continue_one_row(local):
+    (traj,), _ = _run(local, _streams, seeds=(3,))
+    assert traj.info["turns"] == 2 and traj.info["agent"]["new_rows"] == 0
+    _assert_engine_tokens(local, traj, 3)
+
+
+async def _hangs(row, client):
+    await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=4)
+    await asyncio.Event().wait()  # never returns
+
+
+async def _raises(row, client):
+    await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=4)
+    raise RuntimeError("the agent's own bug")
+
+
+async def _too_long(row, client):
+    messages = list(row["prompt"])
+    for _ in range(10):  # past max_turns: the next request is refused, and the agent raises on it
+        answer = await client.chat.completions.create(model="any", messages=messages, max_tokens=2)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content}, {"role": "user", "content": "More."}]
+
+
+def test_an_agent_that_hangs_raises_or_overruns_its_bounds_ends_with_a_metric_and_the_round_goes_on(local):
+    t = time.monotonic()
+    (hung,), _ = _run(local, _hangs, seeds=(5,), timeout=2.0)
+    assert time.monotonic() - t < 2.0 + 5.0
+    assert hung.info["agent"]["timeout"] and hung.finish_reason == "error"  # dropped: no reward, no loss
+    (raised,), _ = _run(local, _raises, seeds=(5,), failure="zero")
+    assert raised.info["agent"]["error"] and "the agent's own bug" in raised.info["agent"]["why"]
+    assert raised.info["zero_reward"] and raised.finish_reason != "error" and raised.info["turns"] == 1  # scored 0, its turn trained
+    (bounded,), _ = _run(local, _too_long, seeds=(5,), max_turns=3)
+    # the refused 4th request ended the episode: not an error, its 3 turns train
+    assert not bounded.info["agent"]["error"] and bounded.info["turns"] == 3 and "max_turns=3" in bounded.info["agent"]["why"]
+    _assert_engine_tokens(local, bounded, 5)
+
+
+@pytest.mark.quick
+def test_a_session_refuses_what_it_cannot_honour_and_is_gone_once_its_episode_ends(local):
+    seen = {}
+
+    async def probe(row, client):
+        seen["url"], key = str(client.base_url), client.api_key
+        refused = {}
+        for name, extra in [("temperature", {"temperature": 0.5}), ("n", {"n": 2}), ("seed", {"seed": 1})]:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=2, **extra)
+            refused[name] = info.value.message
+        other = openai.AsyncOpenAI(base_url=seen["url"].replace(seen["url"].split("/")[-2], "x" * 24), api_key=key, max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            await other.chat.completions.create(model="any", messages=row["prompt"], max_tokens=2)
+        no_key = openai.AsyncOpenAI(base_url=seen["url"], api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await no_key.chat.completions.create(model="any", messages=row["prompt"], max_tokens=2)
+        seen["refused"] = refused
+        seen["models"] = [m.id for m in (await client.models.list()).data]
+        seen["key"] = key
+        await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=2)
+
+    (traj,), _ = _run(local, probe, seeds=(1,))
+    assert all(name in message for name, message in seen["refused"].items()), seen["refused"]
+    assert seen["models"] == ["policy"] and traj.info["turns"] == 1  # refused requests are no turns
+    # after the episode, its session is closed (and the endpoint with the round's agents)
+    with pytest.raises((openai.NotFoundError, openai.APIConnectionError)):
+        openai.OpenAI(base_url=seen["url"], api_key=seen["key"], max_retries=0).chat.completions.create(model="any", messages=[{"role": "user", "content": "?"}])
