@@ -12,7 +12,8 @@ from pathlib import Path
 
 # Each demo task's training options (inside the package, so a wheel ships them) and folder.
 DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
-DEMOS = {"addition": (DEMO_CONFIG, "runs/demo"), "calculator": (DEMO_CONFIG.with_name("demo_calculator.yaml"), "runs/calculator")}
+DEMOS = {"addition": (DEMO_CONFIG, "runs/demo"), "calculator": (DEMO_CONFIG.with_name("demo_calculator.yaml"), "runs/calculator"),
+         "agent": (DEMO_CONFIG.with_name("demo_agent.yaml"), "runs/agent")}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -139,7 +140,7 @@ def _demo(args: argparse.Namespace) -> int:
     config_file, folder = DEMOS[args.task]
     out = Path(args.output_dir or folder)
     t0 = time.perf_counter()
-    model_dir, data = (prepare_calculator if args.task == "calculator" else prepare)(out, seed=args.seed)
+    model_dir, data = (prepare if args.task == "addition" else prepare_calculator)(out, seed=args.seed)
     print(f"demo: tiny model after its supervised warm-up in {model_dir}, {data.name} written ({time.perf_counter() - t0:.0f}s)")
     values = load_yaml(args.config or config_file)
     # The demo's run folder is its own: a demo run again starts afresh there.
@@ -246,13 +247,15 @@ def _add_runs_readers(sub) -> None:
     p.add_argument("--width", type=int, default=None, help="line width (default: the terminal's)")
     p.set_defaults(run=_files_command(_show))
 
-    p = sub.add_parser("demo", help="a tiny model learns single-digit addition by RL, or with --task calculator to call a tool "
-                                    "(2 CPU cores, a few minutes, no network)")  # fmt: skip
+    p = sub.add_parser("demo", help="a tiny model learns single-digit addition by RL, with --task calculator to call a tool, or with "
+                                    "--task agent the same as an OpenAI Agents SDK agent (2 CPU cores, a few minutes, no network)")  # fmt: skip
     p.add_argument("--task", choices=list(DEMOS), default="addition",
                    help="addition: single-digit sums, learned from the reward alone; calculator: three-digit sums, "
-                        "which the model learns to get right by calling the calculator tool")  # fmt: skip
-    p.add_argument("--output_dir", default=None, help="where the model, data and run go (default: runs/demo, or runs/calculator for --task calculator)")
-    p.add_argument("--config", default=None, help="training options of the demo (default: the task's own, examples/addition.yaml or examples/calculator.yaml)")
+                        "which the model learns to get right by calling the calculator tool; agent: the calculator task as an "
+                        "agent written with the OpenAI Agents SDK (examples/agent_calculator.py; pip install 'tandem-rl[agents]')")  # fmt: skip
+    p.add_argument("--output_dir", default=None, help="where the model, data and run go (default: runs/<task>, runs/demo for addition)")
+    p.add_argument("--config", default=None, help="training options of the demo (default: the task's own, examples/addition.yaml, "
+                                                  "examples/calculator.yaml or examples/agent_calculator.yaml)")  # fmt: skip
     p.add_argument("--max_steps", type=int, default=0, help="override the demo config's max_steps (0 keeps it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, data and training")
     p.set_defaults(run=_demo)

@@ -31,9 +31,9 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # one long test last: the other worker sat idle for minutes). Other files follow these.
 LONGEST_FIRST = [
     "test_docs.py",  # 275 s
+    "test_tool_demo.py",  # 270 (151 before the agent demo)
     "test_async.py",  # 192
     "test_fsdp.py",  # 172
-    "test_tool_demo.py",  # 151
     "test_resume.py",  # 132
     "test_lora.py",  # 87
     "test_multiturn.py",  # 53

@@ -56,10 +56,12 @@ def _turn_starts(mask: list[int]) -> list[int]:
     return [k for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1])]
 
 
-def _assert_engine_tokens(local, traj, seed: int, first_turn: int = 0):
+def _assert_engine_tokens(local, traj, seed: int):
     """Each run of trained tokens is what the engine generates on the tokens before it, from the
-    seed of its turn of the session: token ids and behaviour log-probs alike."""
+    seed of its turn of the session (the trained row's turns are the session's last): token ids
+    and behaviour log-probs alike."""
     engine, _ = local
+    first_turn = traj.info["agent"]["requests"] - traj.info["turns"]
     starts = _turn_starts(traj.loss_mask)
     assert len(starts) == traj.info["turns"] >= 1
     for k, pos in enumerate(starts):
@@ -114,7 +116,7 @@ def test_an_agent_that_rewrites_its_history_starts_a_new_row_and_nothing_is_spli
     # reply is prompt, not trained; its two turns (session turns 1 and 2) are the engine's
     assert traj.info["agent"]["new_rows"] == 1 and traj.info["turns"] == 2
     assert "Again." in tok.decode(traj.prompt_ids) and "Once more." in tok.decode(traj.token_ids)
-    _assert_engine_tokens(local, traj, 7, first_turn=1)
+    _assert_engine_tokens(local, traj, 7)
 
 
 async def _streams(row, client):
@@ -193,3 +195,35 @@ def test_a_session_refuses_what_it_cannot_honour_and_is_gone_once_its_episode_en
     # after the episode, its session is closed (and the endpoint with the round's agents)
     with pytest.raises((openai.NotFoundError, openai.APIConnectionError)):
         openai.OpenAI(base_url=seen["url"], api_key=seen["key"], max_retries=0).chat.completions.create(model="any", messages=[{"role": "user", "content": "?"}])
+
+
+async def _sdk_agent(row, client):
+    """An OpenAI Agents SDK agent with a function tool, as its docs write one; then a second run
+    on its history with the question rewritten (as an agent that summarises or edits its memory)."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: The expression, e.g. 2+2.
+        """
+        return str(eval(expression, {"__builtins__": {}}))  # the test's own tool, on the test's own inputs
+
+    agent = Agent(name="adder", model=OpenAIChatCompletionsModel(model="policy", openai_client=client), tools=[calculator])
+    first = await Runner.run(agent, row["prompt"][-1]["content"], max_turns=2)
+    history = first.to_input_list()
+    history[0] = {"role": "user", "content": "Once more: " + row["prompt"][-1]["content"]}
+    await Runner.run(agent, history + [{"role": "user", "content": "Sure?"}], max_turns=2)
+
+
+def test_an_unmodified_agents_sdk_agent_trains_on_the_engines_tokens_after_it_rewrites_its_history(local):
+    (traj,), _ = _run(local, _sdk_agent, seeds=(9,))
+    _, tok = local
+    assert not traj.info["agent"]["error"], traj.info["agent"]["why"]
+    # the second run rewrote the first question: a new row, rendered from its request, whose turns are the engine's
+    assert traj.info["agent"]["new_rows"] == 1 and "Once more:" in tok.decode(traj.prompt_ids)
+    _assert_engine_tokens(local, traj, 9)

@@ -104,11 +104,12 @@ class AgentFunction:
                 reward = _reward_number(result)
             except TrajectoryError:
                 failed, error = True, f"it returned {result!r}; return a number (its reward) or None"
-        return self._trajectory(rows, failed, error, timed_out, reward, batcher.min_version)
+        return self._trajectory(rows, session.turns, failed, error, timed_out, reward, batcher.min_version)
 
-    def _trajectory(self, rows: list[Row], failed: bool, error: str | None, timed_out: bool, reward: float | None, min_version: int) -> Trajectory:
+    def _trajectory(self, rows: list[Row], requests: int, failed: bool, error: str | None, timed_out: bool, reward: float | None, min_version: int) -> Trajectory:
         turns = [r for r in rows if r.versions]  # rows with at least one answer (a refused first request leaves none)
-        agent = {"error": failed and not timed_out, "timeout": timed_out, "new_rows": max(0, len(turns) - 1), "why": error}
+        # requests: the session's turns, every row's (the trained row's are the last of them)
+        agent = {"error": failed and not timed_out, "timeout": timed_out, "new_rows": max(0, len(turns) - 1), "requests": requests, "why": error}
         if not turns:  # nothing to train: the prompt and one eos token, out of the loss
             info = {"turns": 0, "messages": [], "tool_calls": [], "versions": [min_version], "template_rewrites": 0, "environment_reward": None, "agent": agent}
             return Trajectory([self.tokenizer.eos_token_id], [0.0], [0], "error", min_version, None, info)

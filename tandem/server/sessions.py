@@ -148,13 +148,13 @@ class Session:
             if self.closed:
                 return  # the agent's episode was ended meanwhile: nothing more joins it
             row = turn.row
+            if glue is not None and turn.new_messages:  # checked where messages are inserted, as multi-turn does
+                row.rewrites += glue.rewrites(turn.context, row.messages + turn.new_messages)
             row.ids += turn.inserted + ids
             row.logprobs += [0.0] * len(turn.inserted) + list(out.logprobs[: len(ids)])
             row.mask += [0] * len(turn.inserted) + [1] * len(ids)
             row.versions.append(out.version)
             row.messages += turn.new_messages + [reply]
-            if glue is not None:
-                row.rewrites += glue.rewrites(row.prompt_ids + row.ids, row.messages)
             full = len(row.ids) >= self.max_tokens
             row.finish = "length" if out.finish_reason == "length" or (full and out.finish_reason != "stop") else "stop"
 

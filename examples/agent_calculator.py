@@ -1,0 +1,1 @@
+../tandem/demo_agent.py
