@@ -16,7 +16,7 @@ from tandem.cli import DEMO_CONFIG
 from tandem.demo import addition_rows, prepare, warmup_pairs, write_jsonl
 from tandem.init_model import save, warmup_sft
 from test_async import DIGITS, ENV, base_args, command, read, train, weight_gap
-from test_multiturn import ROUNDS
+from test_multiturn import ROUNDS, ROUNDS_AGENT
 
 pytestmark = needs_vllm
 
@@ -70,19 +70,21 @@ def test_async_generation_is_version_exact(model64, data, server, tmp_path):
     assert max(m["kl_behav_proximal"] for m in metrics[:1]) < 1e-8
 
 
-def test_an_async_multi_turn_run_is_version_exact_and_trains_the_engines_tokens(model64, data, server, tmp_path):
+@pytest.mark.parametrize("kind", ["environment", "agent"])
+def test_an_async_multi_turn_run_is_version_exact_and_trains_the_engines_tokens(model64, data, server, tmp_path, kind):
     # model64 after a few steps of the demo's warm-up, so that its turns end (the random model's
     # seldom do); the Rounds environment answers each turn twice, then ends the trajectory. Each
-    # turn is a request to vLLM with the round's min_version.
+    # turn is a request to vLLM with the round's min_version. As an agent (agent_func), Rounds
+    # asks through OpenAI's client at the trainer's endpoint, which sends each turn to vLLM so.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tok = AutoModelForCausalLM.from_pretrained(model64), AutoTokenizer.from_pretrained(model64)
     warmup_sft(model, tok, warmup_pairs(0), steps=40)
     save(model, tok, tmp_path / "model")
-    (tmp_path / "rounds.py").write_text(ROUNDS)
+    (tmp_path / "rounds.py").write_text(ROUNDS + ROUNDS_AGENT)
+    rounds = ["--environment_factory", f"{tmp_path / 'rounds.py'}:Rounds"] if kind == "environment" else ["--agent_func", f"{tmp_path / 'rounds.py'}:rounds"]
     args = base_args(tmp_path / "model", data, tmp_path / "run", 16, "--max_steps", "4", *served(server, "--async_generate", "true"),
-                     "--max_staleness", "1", "--reward_funcs", "environment", "--environment_factory", f"{tmp_path / 'rounds.py'}:Rounds",
-                     "--max_completion_length", "160", "--learning_rate", "1e-3")  # fmt: skip
+                     "--max_staleness", "1", "--reward_funcs", "environment", *rounds, "--max_completion_length", "160", "--learning_rate", "1e-3")  # fmt: skip
     train(1, args)
     metrics, completions = read(tmp_path / "run")
     for c in completions:  # three turns, unless max_completion_length ends it first
