@@ -22,6 +22,7 @@ from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.weights import StagedWeights, buckets, fingerprint
 from tandem.trainer.config import ConfigError, TrainConfig
 from tandem.trainer.sharding import from_accelerate_config
+from test_multiturn import ROUNDS_AGENT
 
 DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
 # FSDP reduce-scatters gradients in another order than DDP all-reduces them, and one process
@@ -234,6 +235,16 @@ def test_fsdp_with_a_rollout_server_trains_like_ddp_and_pushes_what_it_trains(en
     train(2, server_args(ender, data, tmp_path / "ddp", server.url, mode))
     assert_trains_alike(sharded, tmp_path / "ddp")  # and verify_weight_sync checked every push's fingerprint
     assert not list(sharded.glob(".push-*")), "the staged pushes are removed at the end"
+
+
+def test_an_agent_run_sharded_with_a_rollout_server_trains_like_ddp(ender, data, server, tmp_path):
+    # agent_func: each rank runs its own groups' agents against its own endpoint, sharded or not.
+    (tmp_path / "rounds_agent.py").write_text(ROUNDS_AGENT)
+    extra = ["--reward_funcs", "environment", "--agent_func", f"{tmp_path / 'rounds_agent.py'}:rounds", "--max_completion_length", "96"]
+    train(2, server_args(ender, data, tmp_path / "fsdp", server.url, "async", *extra, "--fsdp", "full_shard"))
+    train(2, server_args(ender, data, tmp_path / "ddp", server.url, "async", *extra))
+    assert all(m["multi_turn/turns/max"] > 1 and m["agents/errors"] == 0 for m in read(tmp_path / "fsdp"))
+    assert_trains_alike(tmp_path / "fsdp", tmp_path / "ddp")
 
 
 def test_a_restarted_server_gets_the_staged_weights_back_and_the_run_goes_on(ender, data, sharded_sync, tmp_path):

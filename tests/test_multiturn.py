@@ -722,6 +722,7 @@ def _read(out):
         (["--rollout_func", "AGENTS:plain"], "must be an async def fn(prompt, generate, tokenizer)"),
         (["--agent_func", "AGENTS:plain"], "agents.py:plain must be an async def fn(row, client)"),
         (["--agent_func", "AGENTS:plain", "--tools", "calculator"], "agent_func="),
+        (["--agent_func", "AGENTS:plain", "--fsdp", "full_shard"], "an agent_func with a sharded colocated engine is not built"),
         (["--environment_factory", "AGENTS:Untyped"], "environment method 'act': no JSON schema can be made of it"),
     ],
 )
