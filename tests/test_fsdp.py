@@ -237,12 +237,12 @@ def test_fsdp_with_a_rollout_server_trains_like_ddp_and_pushes_what_it_trains(en
     assert not list(sharded.glob(".push-*")), "the staged pushes are removed at the end"
 
 
-def test_an_agent_run_sharded_with_a_rollout_server_trains_like_ddp(ender, data, server, tmp_path):
+def test_a_sync_agent_run_sharded_with_a_rollout_server_trains_like_ddp(ender, data, server, tmp_path):
     # agent_func: each rank runs its own groups' agents against its own endpoint, sharded or not.
     (tmp_path / "rounds_agent.py").write_text(ROUNDS_AGENT)
     extra = ["--reward_funcs", "environment", "--agent_func", f"{tmp_path / 'rounds_agent.py'}:rounds", "--max_completion_length", "96"]
-    train(2, server_args(ender, data, tmp_path / "fsdp", server.url, "async", *extra, "--fsdp", "full_shard"))
-    train(2, server_args(ender, data, tmp_path / "ddp", server.url, "async", *extra))
+    train(2, server_args(ender, data, tmp_path / "fsdp", server.url, "sync", *extra, "--fsdp", "full_shard"))
+    train(2, server_args(ender, data, tmp_path / "ddp", server.url, "sync", *extra))
     assert all(m["multi_turn/turns/max"] > 1 and m["agents/errors"] == 0 for m in read(tmp_path / "fsdp"))
     assert_trains_alike(tmp_path / "fsdp", tmp_path / "ddp")
 

@@ -34,8 +34,6 @@ from tandem.rollout.types import Completion
 from tandem.server.gateway import Gateway
 from tandem.server.sessions import Row, SessionServing, SessionStore
 
-AGENT_FAILURES = ("drop", "zero")
-
 
 @dataclass(frozen=True)
 class AgentOptions:

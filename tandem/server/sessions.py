@@ -135,8 +135,6 @@ class Session:
         seed = turn_seed(self.seed, self.turns - 1)
         try:
             return await self.submit(turn.context, min(limit or turn.room, turn.room), seed)
-        except (asyncio.CancelledError, SessionLimit):
-            raise
         except Exception as exc:  # the engine's: the round fails with it (never an agent's error)
             self.engine_error = exc
             raise
