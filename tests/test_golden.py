@@ -50,6 +50,7 @@ def _args(model, data, out, options, server_url):
         "--num_generations", "4", "--per_device_train_batch_size", "16", "--max_completion_length", "6", "--learning_rate", "1e-2",
         "--max_steps", "4", "--save_steps", "0", "--disable_tqdm", "true", "--seed", "3", *options, *served,
         "--optim", "adamw_torch",  # the kernel the recordings were made with (adamw_torch_fused rounds otherwise)
+        "--gradient_checkpointing", "true",  # as recorded (the default turns it off for a model this small)
     ]  # fmt: skip
 
 

@@ -616,3 +616,22 @@ def test_the_policy_options_for_dropout_and_an_fp32_head(tiny_model):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert policy()(input_ids=ids).logits.dtype == torch.bfloat16
         assert policy(head_in_fp32=True)(input_ids=ids).logits.dtype == torch.float32
+
+
+@pytest.mark.quick
+def test_gradient_checkpointings_default_is_on_at_real_shapes_and_off_for_small_models():
+    from transformers import Qwen2Config
+
+    from tandem.trainer.setup import resolve_checkpointing
+
+    qwen05 = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
+    toy = Qwen2Config(hidden_size=256, intermediate_size=1024, num_hidden_layers=4)  # bench/vs_trl.py's `small` model
+    gb = 10**9
+    # bench/scale.py's 8 completions of 256 tokens after prompts of up to 20: 2,208 tokens x (48 x 896
+    # + 8 x 4,864) bytes x 24 layers = 4.34 GB, over an eighth of 20 GB; the toy shape's 64 completions
+    # of up to 64 tokens after prompts of up to 12: 4,864 tokens x (48 x 256 + 8 x 1,024) x 4 = 0.40 GB, under it
+    on, why = resolve_checkpointing(qwen05, 8 * (20 + 256), 20 * gb)
+    assert on and "about 4.34 GB" in why and "over 1/8 of the 20.0 GB" in why
+    off, why = resolve_checkpointing(toy, 64 * (12 + 64), 20 * gb)
+    assert not off and "about 0.40 GB" in why
+    assert resolve_checkpointing(toy, 64 * (12 + 64), 3 * gb)[0]  # with 3 GB to have, 0.4 GB is over an eighth

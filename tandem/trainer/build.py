@@ -33,6 +33,7 @@ import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs, set_seed
+from transformers import AutoConfig
 from safetensors.torch import load_model
 
 from tandem import rewards as rewards_lib
@@ -52,7 +53,9 @@ from tandem.trainer.eval import Evaluator
 from tandem.trainer.learner import EntropyBonus, Learner, LossSettings, ReferenceSync
 from tandem.trainer.producer import AsyncProducer, SyncProducer
 from tandem.trainer.servers import ServerOptions, Servers
-from tandem.trainer.setup import PolicyOptions, PromptOptions, build_policy, load_prompts, load_tokenizer, model_load_kwargs, resolve_bf16
+from tandem.trainer.setup import (
+    PolicyOptions, PromptOptions, available_memory, build_policy, load_prompts, load_tokenizer, model_load_kwargs, resolve_bf16, resolve_checkpointing,
+)
 from tandem.trainer.state import TrainState
 from tandem.trainer.sync import WeightSync
 
@@ -152,6 +155,8 @@ def build(config: TrainConfig) -> Run:
     if skipped and dist.is_main:
         print(f"tandem: skipped {skipped} prompts longer than max_prompt_length={config.max_prompt_length}")
 
+    if config.gradient_checkpointing is None:
+        _decide_checkpointing(config, dist, max(len(p) for p in table.prompt_ids))
     learner = _learner(config, dist, plan, resume_dir, tokenizer.pad_token_id)
     if dist.is_main:
         print(_precision_line(config, learner.lm), flush=True)
@@ -216,10 +221,16 @@ def _resume_or_fresh(config: TrainConfig, dist: Dist, sharded: bool, bf16_warnin
     out = Path(config.output_dir)
     resume_dir = checkpoint.resolve(config.resume_from_checkpoint, out) if config.resume_from_checkpoint else None
     saved = saved_state(resume_dir) if resume_dir else None
-    changes = []
+    changes, previous = [], {}
     if saved:
         checkpoint.check_resume(resume_dir, saved, dist.world, sharded)
-        changes = resume_changes(yaml.safe_load((resume_dir / "config.yaml").read_text()), config)
+        previous = yaml.safe_load((resume_dir / "config.yaml").read_text())
+    # A resumed run keeps its run's gradient_checkpointing, whatever memory it finds now (the
+    # gradients round otherwise); a new run's default is decided once its prompts are read (build).
+    if config.gradient_checkpointing is None and isinstance(previous.get("gradient_checkpointing"), bool):
+        config.gradient_checkpointing = previous["gradient_checkpointing"]
+    if saved:
+        changes = resume_changes(previous, config)
     else:
         checkpoint.check_writable(out)
         checkpoint.check_fresh(out, config.overwrite_output_dir, dist.is_main)
@@ -232,11 +243,24 @@ def _resume_or_fresh(config: TrainConfig, dist: Dist, sharded: bool, bf16_warnin
             print("tandem: from TRL's and ms-swift's names:\n  " + "\n  ".join(config.notes), flush=True)
         if changes:
             print(f"tandem: resuming {resume_dir} with changed options: {'; '.join(changes)}", flush=True)
+
         for warning in config.warnings() + ([bf16_warning] if bf16_warning else []):
             print(f"tandem: warning: {warning}", file=sys.stderr, flush=True)
     if metrics.log_with(config.report_to):
         dist.accelerator.init_trackers("tandem", config=metrics.hyperparameters(config.to_dict()), init_kwargs={"wandb": {"dir": str(out)}})
     return resume_dir, saved
+
+
+def _decide_checkpointing(config: TrainConfig, dist: Dist, longest_prompt: int) -> None:
+    """gradient_checkpointing's default, from the model's shape, a micro-batch of the longest
+    prompt and max_completion_length, and the memory there is; said, and written into config.yaml
+    (a resume keeps it)."""
+    model_config = AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+    tokens = config.per_device_train_batch_size * (longest_prompt + config.max_completion_length)
+    config.gradient_checkpointing, why = resolve_checkpointing(model_config, tokens, available_memory(dist.device))
+    if dist.is_main:
+        print(f"tandem: {why}", flush=True)
+        (Path(config.output_dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad_id: int) -> Learner:

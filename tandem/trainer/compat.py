@@ -282,7 +282,7 @@ OPTIONS: dict[str, Option] = {
     "eval_strategy": Option(MAPPED, "no and steps accepted (evaluation needs an eval_dataset)", _eval_strategy),
     "eval_steps": Option(SAME, "steps between evaluations"),
     "per_device_eval_batch_size": inert(lambda v: True, "evaluation generates all its completions as one batch", ""),
-    "gradient_checkpointing": Option(SAME, "activation checkpointing of each decoder layer, on by default as in TRL"),
+    "gradient_checkpointing": Option(SAME, "activation checkpointing of each decoder layer; TRL's default is true, tandem's decides by the model's shape and the memory (true or false forces it)"),
     "activation_checkpointing": rename("gradient_checkpointing", "`gradient_checkpointing` (transformers 5's new name)"),
     "activation_checkpointing_kwargs": inert(lambda v: (json.loads(v) if isinstance(v, str) else v) in (None, {}, {"use_reentrant": False}),
                                              "tandem's checkpointing is non-reentrant", "only {use_reentrant: false} is accepted"),

@@ -10,7 +10,7 @@ at a time, computing each chunk's silu and product again (elementwise, no matmul
 weight gradients into their totals. The same computation up to float rounding
 (tests/test_trainer_parts.py compares the gradients within 1e-6).
 
-Where the decoder layers are checkpointed (gradient_checkpointing, the default), it keeps x
+Where the decoder layers are checkpointed (gradient_checkpointing, on by default at real shapes), it keeps x
 alone and the backward computes each chunk's gate(x) and up(x) again as well. x is held on the
 autograd context, past the saved-tensor hooks through which torch's checkpoint drops what a layer
 keeps, and the MLP saves nothing through them, so the layer's recomputation in the backward stops

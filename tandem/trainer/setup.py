@@ -107,6 +107,37 @@ class PolicyOptions:
     sparse_embedding: bool = False
 
 
+# fp32 bytes one decoder layer keeps for the backward per token without checkpointing, in units of
+# the hidden size and of the intermediate size: the attention's and norms' activations (queries,
+# keys, values, attention output, residuals: about 12 x hidden) and the chunked MLP's gate(x) and
+# up(x) (mlp.py: 2 x intermediate).
+ACTIVATION_BYTES = (4 * 12, 4 * 2)
+CHECKPOINT_SHARE = 8  # checkpointing goes on when a micro-batch's activations exceed 1/8 of the memory available
+
+
+def resolve_checkpointing(model_config, tokens: int, available: int) -> tuple[bool, str]:
+    """gradient_checkpointing's default: on where one micro-batch's activations (`tokens` of them)
+    would take more than 1/CHECKPOINT_SHARE of the `available` bytes. A 4M model gains nothing
+    from it and trained 60% slower with it (issue 51's toy shape); a 0.5B one at 8 x 256 tokens
+    would hold about 4 GB more without it. Returns the decision and a line that says why."""
+    c = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    need = tokens * (ACTIVATION_BYTES[0] * c.hidden_size + ACTIVATION_BYTES[1] * c.intermediate_size) * c.num_hidden_layers
+    on = need * CHECKPOINT_SHARE > available
+    return on, (f"gradient_checkpointing {'on' if on else 'off'} (auto: a micro-batch's activations would take about {need / 1e9:.2f} GB "
+                f"without it, {'over' if on else 'under'} 1/{CHECKPOINT_SHARE} of the {available / 1e9:.1f} GB this process can have; "
+                "gradient_checkpointing true or false forces it)")  # fmt: skip
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process can have: the GPU's free memory, or the host's available memory shared
+    by the training processes on it."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as fh:
+        fields = dict(line.split(":", 1) for line in fh)
+    return int(fields["MemAvailable"].split()[0]) * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def model_load_kwargs(init_kwargs: dict | None, trust_remote_code: bool) -> dict:
     """from_pretrained's keyword arguments for the policy and its reference: model_init_kwargs,
     with the weights in float32 unless it names a dtype, as TRL loads them. transformers 5 keeps a

