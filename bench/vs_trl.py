@@ -1,7 +1,7 @@
 """tandem against TRL's GRPOTrainer on the same machine, task, model and settings, at two shapes,
 in fp32 and bf16, with each phase's share of the machine's own matmul roofline.
 
-    python bench/vs_trl.py [--steps 20] [--seeds 0] [--shapes short long] [--bf16 auto|always|never]
+    python bench/vs_trl.py [--steps 20] [--seeds 0] [--shapes short long] [--bf16 auto|always|never] [--configs ...]
 
 Creates bench/.venv-trl (torch 2.13.0 CPU, trl 1.16.0, and the same transformers, accelerate and
 datasets as tandem) the first time; TRL is never a dependency of tandem.
@@ -50,6 +50,7 @@ SHAPES = {
 }
 BATCH, G = 64, 8
 CONFIGS = ["trl", "tandem colocate", "tandem server sync", "tandem server async"]
+# --configs may add "tandem colocate ckpt": colocated with gradient_checkpointing forced on (TRL's default)
 SKIP = 3  # first steps left out of the timings (start-up)
 
 
@@ -106,6 +107,8 @@ def run(config: str, bf16: bool, shape: str, seed: int, args, tmp: Path, model: 
                "--max_completion_length", s["max_completion_length"], "--learning_rate", s["learning_rate"],
                "--lr_scheduler_type", "constant", "--beta", "0", "--loss_type", "dapo", "--bf16", str(bf16).lower(),
                "--save_steps", "0", "--disable_tqdm", "true"]  # fmt: skip
+        if config.endswith("ckpt"):
+            cmd += ["--gradient_checkpointing", "true"]
         if "server" in config:
             server, url = start_server(model, "--dtype", "bfloat16" if bf16 else "float32")
             cmd += ["--rollout_mode", "server", "--rollout_server_urls", url, "--async_generate", str("async" in config).lower()]
@@ -162,6 +165,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--bf16", default="auto", choices=["auto", "always", "never"])
+    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS + ["tandem colocate ckpt"])
     args = ap.parse_args()
     ensure_trl()
     peaks = {"fp32": roofline(torch.float32), "bf16": roofline(torch.bfloat16)}
@@ -175,7 +179,7 @@ def main() -> None:
         tmp = Path(name)
         for shape in args.shapes:
             for dtype in dtypes:
-                results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+                results: dict[str, list[dict]] = {c: [] for c in args.configs}
                 for seed in args.seeds:
                     task = tmp / f"task-{seed}"
                     if not task.exists():
@@ -183,7 +187,7 @@ def main() -> None:
                         subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", task / "random", "--size", "small",
                                         "--seed", str(seed)], check=True, capture_output=True)  # fmt: skip
                     model = task / ("model" if SHAPES[shape]["warm"] else "random")
-                    for config in CONFIGS:  # alternate tools within each seed, so drift hits all of them
+                    for config in args.configs:  # alternate tools within each seed, so drift hits all of them
                         results[config].append(run(config, dtype == "bf16", shape, seed, args, tmp, model, task / "addition.jsonl"))
                         print(f"{shape} {dtype} seed {seed} {config}: {results[config][-1]}", flush=True)
                 matmul, prompt_tokens = model_facts(model, task / "addition.jsonl")
