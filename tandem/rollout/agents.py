@@ -40,7 +40,7 @@ class AgentOptions:
     timeout: float  # agent_timeout: seconds for one episode
     max_turns: int
     max_completion_length: int
-    failure: str  # one of AGENT_FAILURES
+    failure: str  # agent_failure: 'drop' or 'zero'
 
 
 class AgentFunction:
