@@ -159,3 +159,34 @@ def test_large_linears_decode_through_onednn_to_the_same_tokens(engine, monkeypa
     for a, b in zip(blas, onednn):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_an_engine_that_keeps_its_packed_weights_packs_once_per_version_and_generates_the_same(engine, tiny_model, monkeypatch):
+    # The rollout server's engine (keep_packed): its weights are packed by the first call and
+    # kept for the next ones, until new weights load; what it generates is a per-call engine's.
+    monkeypatch.setattr(linears, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(engine_module, "PACK_MIN_TOKENS", 0)  # the per-call engine packs too: the same kernels
+    base, tok = engine
+    kept = TransformersEngine(AutoModelForCausalLM.from_pretrained(tiny_model), [tok.eos_token_id], tok.pad_token_id, keep_packed=True)
+    params = SamplingParams(max_tokens=8)
+    prompts, seeds = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2, list(range(4))
+
+    def packs(eng) -> tuple[int, list]:
+        with torch.profiler.profile() as prof:
+            out = eng.generate(prompts, params, seeds)
+        return sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_reorder_linear_weight"), out
+
+    first, out = packs(kept)
+    second, again = packs(kept)
+    assert first > 0 and second == 0  # packed once, reused by the next call
+    for a, b in zip(out, base.generate(prompts, params, seeds)):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    # new weights: packed anew, and what they generate is a fresh engine's on them
+    new = {name: p.detach() * 1.5 for name, p in kept.model.named_parameters()}
+    kept.load_weights(new)
+    third, after = packs(kept)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model)
+    fresh.load_state_dict(new, strict=False)
+    expected = TransformersEngine(fresh, [tok.eos_token_id], tok.pad_token_id).generate(prompts, params, seeds)
+    assert third == first and [a.token_ids for a in after] == [b.token_ids for b in expected]
+    assert [a.token_ids for a in after] != [a.token_ids for a in out]
