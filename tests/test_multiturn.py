@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -802,11 +803,8 @@ def test_two_processes_train_an_async_multi_turn_run_exactly_like_one(tool_model
     assert [c["completion"] for c in one_c if c["round"] == 1][:8] == [c["completion"] for c in two_c if c["round"] == 1][:8]
 
 
-def test_a_killed_async_multi_turn_run_resumes_bitwise_from_rounds_saved_whole(tool_model, files, server, tmp_path):
-    folder, data = files
-    # At 1e-3, as above: at 1e-2 Rounds' trajectories soon end before their third turn.
-    extra = ["--max_steps", "8", "--save_steps", "2", "--reward_funcs", "environment", "--environment_factory", f"{folder / 'rounds.py'}:Rounds",
-             "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true", "--learning_rate", "1e-3"]  # fmt: skip
+def _whole_and_killed(tool_model, data, tmp_path, extra: list) -> Path:
+    """The run whole (tmp_path/whole), and again (tmp_path/killed) killed past step 3: its latest checkpoint."""
     train(1, _args(tool_model, data, tmp_path / "whole", 16, *extra))
     out = tmp_path / "killed"
     trainer = subprocess.Popen(command(1, _args(tool_model, data, out, 16, *extra)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -816,18 +814,32 @@ def test_a_killed_async_multi_turn_run_resumes_bitwise_from_rounds_saved_whole(t
     finally:
         os.killpg(trainer.pid, signal.SIGKILL)
         trainer.wait(timeout=30)
-    latest = out / (out / "latest").read_text().strip()
+    return out / (out / "latest").read_text().strip()
+
+
+def _assert_resumes_bitwise(tool_model, data, tmp_path, extra: list, steps: int) -> None:
+    """The killed run resumed to its end trains as the whole one: every loss and reward, and the weights, bitwise."""
+    out = tmp_path / "killed"
+    train(1, _args(tool_model, data, out, 16, *extra, "--resume_from_checkpoint", "latest"))
+    (m_whole, _), (m_resumed, _) = _read(tmp_path / "whole"), _read(out)
+    assert [m["step"] for m in m_resumed] == list(range(1, steps + 1))
+    assert [m["loss"] for m in m_resumed] == [m["loss"] for m in m_whole] and [m["reward"] for m in m_resumed] == [m["reward"] for m in m_whole]
+    whole, resumed = load_file(tmp_path / "whole" / f"checkpoint-{steps}" / "model.safetensors"), load_file(out / f"checkpoint-{steps}" / "model.safetensors")
+    assert all((whole[k] == resumed[k]).all() for k in whole), "weights must be bitwise equal"
+
+
+def test_a_killed_async_multi_turn_run_resumes_bitwise_from_rounds_saved_whole(tool_model, files, server, tmp_path):
+    folder, data = files
+    # At 1e-3, as above: at 1e-2 Rounds' trajectories soon end before their third turn.
+    extra = ["--max_steps", "8", "--save_steps", "2", "--reward_funcs", "environment", "--environment_factory", f"{folder / 'rounds.py'}:Rounds",
+             "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true", "--learning_rate", "1e-3"]  # fmt: skip
+    latest = _whole_and_killed(tool_model, data, tmp_path, extra)
     assert latest.name in ("checkpoint-2", "checkpoint-4", "checkpoint-6")
     # the round generated ahead is in the checkpoint whole: its trajectories' turns and masks
     ahead = [r for rnd in json.loads((latest / "rounds_0.json").read_text()) for r in rnd["rollouts"]]
     several = [r for r in ahead if r["turns"]["turns"] > 1]
     assert several and all(0 in r["loss_mask"] and len(r["loss_mask"]) == len(r["completion_ids"]) for r in several)
-    train(1, _args(tool_model, data, out, 16, *extra, "--resume_from_checkpoint", "latest"))
-    (m_whole, c_whole), (m_resumed, c_resumed) = _read(tmp_path / "whole"), _read(out)
-    assert [m["step"] for m in m_resumed] == list(range(1, 9))
-    assert [m["loss"] for m in m_resumed] == [m["loss"] for m in m_whole] and [m["reward"] for m in m_resumed] == [m["reward"] for m in m_whole]
-    whole, resumed = load_file(tmp_path / "whole" / "checkpoint-8" / "model.safetensors"), load_file(out / "checkpoint-8" / "model.safetensors")
-    assert all((whole[k] == resumed[k]).all() for k in whole), "weights must be bitwise equal"
+    _assert_resumes_bitwise(tool_model, data, tmp_path, extra, steps=8)
 
 
 # Rounds as an agent written against OpenAI's API (agent_func): three turns, "Once more." between
@@ -894,24 +906,10 @@ def test_a_killed_async_agent_run_resumes_bitwise_from_rounds_of_whole_sessions(
     # correction would carry them into the loss (measured: 5e-6 of a loss once in CI).
     folder, data = files
     extra = _agent_extra(folder, server, "--max_steps", "6", "--save_steps", "2", "--off_policy_correction", "none")
-    train(1, _args(tool_model, data, tmp_path / "whole", 16, *extra))
-    out = tmp_path / "killed"
-    trainer = subprocess.Popen(command(1, _args(tool_model, data, out, 16, *extra)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env=ENV, start_new_session=True)  # fmt: skip
-    try:
-        wait_for_step(out, 3, trainer)
-    finally:
-        os.killpg(trainer.pid, signal.SIGKILL)
-        trainer.wait(timeout=30)
-    latest = out / (out / "latest").read_text().strip()
+    latest = _whole_and_killed(tool_model, data, tmp_path, extra)
     ahead = [r for rnd in json.loads((latest / "rounds_0.json").read_text()) for r in rnd["rollouts"]]
     assert ahead and all(r["turns"]["agent"] is not None and 0 in r["loss_mask"] for r in ahead if r["turns"]["turns"] > 1)
-    train(1, _args(tool_model, data, out, 16, *extra, "--resume_from_checkpoint", "latest"))
-    (m_whole, _), (m_resumed, _) = _read(tmp_path / "whole"), _read(out)
-    assert [m["step"] for m in m_resumed] == list(range(1, 7))
-    assert [m["loss"] for m in m_resumed] == [m["loss"] for m in m_whole] and [m["reward"] for m in m_resumed] == [m["reward"] for m in m_whole]
-    whole, resumed = load_file(tmp_path / "whole" / "checkpoint-6" / "model.safetensors"), load_file(out / "checkpoint-6" / "model.safetensors")
-    assert all((whole[k] == resumed[k]).all() for k in whole), "weights must be bitwise equal"
+    _assert_resumes_bitwise(tool_model, data, tmp_path, extra, steps=6)
 
 
 # Tools that take their process down with them, or flood its output.

@@ -29,7 +29,7 @@ import inspect
 import threading
 from dataclasses import dataclass
 
-from tandem.rollout.multiturn import Prompt, Trajectory, TrajectoryError, _Batcher, _reward_number
+from tandem.rollout.multiturn import CoroutineRollouts, Prompt, Trajectory, TrajectoryError, _Batcher, _reward_number
 from tandem.rollout.types import Completion
 from tandem.server.gateway import Gateway
 from tandem.server.sessions import Row, SessionServing, SessionStore
@@ -43,7 +43,7 @@ class AgentOptions:
     failure: str  # agent_failure: 'drop' or 'zero'
 
 
-class AgentFunction:
+class AgentFunction(CoroutineRollouts):
     def __init__(self, fn, name: str, tokenizer, serving: SessionServing, options: AgentOptions):
         try:
             import openai
@@ -51,26 +51,18 @@ class AgentFunction:
             raise ImportError("agent_func needs the openai package: pip install 'tandem-rl[agents]'") from None
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"agent_func {name} must be an async def fn(row, client)")
+        super().__init__()
         self.fn, self.name, self.tokenizer, self.options = fn, name, tokenizer, options
         self.serving, self.store = serving, serving.store
         self.gateway: Gateway | None = None  # started by the first round, so that a run that fails before one leaves no thread
         self._openai = openai
-        self._loops = threading.local()
         self._lock = threading.Lock()
 
     def generate(self, engine, prompts, params, seeds, min_version):
         with self._lock:  # the producer's thread and the evaluator's
             if self.gateway is None:
                 self.gateway = Gateway(self.serving)
-        # One event loop per calling thread, kept across rounds, as RolloutFunction's (and for
-        # its reasons): the agents' clients and what they keep stay bound to it.
-        if getattr(self._loops, "loop", None) is None:
-            self._loops.loop = asyncio.new_event_loop()
-        return self._loops.loop.run_until_complete(self._all(engine, prompts, params, seeds, min_version))
-
-    async def _all(self, engine, prompts, params, seeds, min_version):
-        batcher = _Batcher(engine, params, min_version, len(prompts))
-        return list(await asyncio.gather(*(self._one(batcher, p, s) for p, s in zip(prompts, seeds))))
+        return super().generate(engine, prompts, params, seeds, min_version)
 
     async def _one(self, batcher: _Batcher, prompt: Prompt, seed: int) -> Trajectory:
         loop = asyncio.get_running_loop()

@@ -364,7 +364,34 @@ def _last_turn_length(t: _Live) -> int:
     return n
 
 
-class RolloutFunction:
+class CoroutineRollouts:
+    """Rollouts made by a user's coroutine, one per prompt (rollout_func, agent_func): `_one`
+    makes a trajectory, and the engine calls of a round's trajectories batch through _Batcher."""
+
+    def __init__(self):
+        self._loops = threading.local()
+
+    def generate(self, engine, prompts, params, seeds, min_version):
+        # One event loop per calling thread (the producer's, and the evaluator's), kept across
+        # rounds: what the user's code keeps between calls (an HTTP client, a semaphore) stays
+        # bound to the loop it runs on. In the calling thread, so that a colocated engine generates
+        # under that thread's autocast, as the training forward computes.
+        if getattr(self._loops, "loop", None) is None:
+            self._loops.loop = asyncio.new_event_loop()
+        return self._loops.loop.run_until_complete(self._all(engine, prompts, params, seeds, min_version))
+
+    async def _all(self, engine, prompts, params, seeds, min_version):
+        batcher = _Batcher(engine, params, min_version, len(prompts))
+        return list(await asyncio.gather(*(self._one(batcher, p, s) for p, s in zip(prompts, seeds))))
+
+    async def _one(self, batcher: "_Batcher", prompt: Prompt, seed: int) -> Trajectory:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class RolloutFunction(CoroutineRollouts):
     """A user's own agent, `rollout_func: file.py:fn`: `async def fn(prompt, generate, tokenizer) -> dict`.
 
     `prompt` is {"prompt": the dataset's prompt, "prompt_ids": its tokens, **the row's other
@@ -384,21 +411,8 @@ class RolloutFunction:
     """
 
     def __init__(self, fn: Callable, name: str, tokenizer, max_completion_length: int):
+        super().__init__()
         self.fn, self.name, self.tokenizer, self.max_length = fn, name, tokenizer, max_completion_length
-        self._loops = threading.local()
-
-    def generate(self, engine, prompts, params, seeds, min_version):
-        # One event loop per calling thread (the producer's, and the evaluator's), kept across
-        # rounds: what the function keeps between calls (an HTTP client, a semaphore) stays bound
-        # to the loop it runs on. In the calling thread, so that a colocated engine generates
-        # under that thread's autocast, as the training forward computes.
-        if getattr(self._loops, "loop", None) is None:
-            self._loops.loop = asyncio.new_event_loop()
-        return self._loops.loop.run_until_complete(self._all(engine, prompts, params, seeds, min_version))
-
-    async def _all(self, engine, prompts, params, seeds, min_version):
-        batcher = _Batcher(engine, params, min_version, len(prompts))
-        return list(await asyncio.gather(*(self._one(batcher, p, s) for p, s in zip(prompts, seeds))))
 
     async def _one(self, batcher: "_Batcher", prompt: Prompt, seed: int) -> Trajectory:
         calls: list[tuple[list[int], Completion | None]] = []  # (the tokens asked on, the answer), in the order made
@@ -470,9 +484,6 @@ class RolloutFunction:
             used.append(match[1])
             pos += len(match[1].token_ids)
         return used
-
-    def close(self) -> None:
-        pass
 
 
 class _Batcher:
