@@ -133,9 +133,13 @@ def available_memory(device: torch.device) -> int:
     by the training processes on it."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as fh:
-        fields = dict(line.split(":", 1) for line in fh)
-    return int(fields["MemAvailable"].split()[0]) * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    try:
+        with open("/proc/meminfo") as fh:
+            fields = dict(line.split(":", 1) for line in fh)
+        host = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError):  # no /proc (macOS): the machine's memory
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def model_load_kwargs(init_kwargs: dict | None, trust_remote_code: bool) -> dict:
