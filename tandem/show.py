@@ -22,9 +22,16 @@ def _cell(text: str, width: int, keep_end: bool = False) -> str:
     return "…" + text[len(text) - width + 1 :] if keep_end else text[: width - 1] + "…"
 
 
+def _versions(line: dict) -> str:
+    """A completion's policy version; of one carried across updates (partial rollouts), each
+    version with its tokens: 3:256,4:17."""
+    runs = line.get("token_versions")
+    return ",".join(f"{v}:{n}" for v, n in runs) if runs and len(runs) > 1 else str(line["policy_version"])
+
+
 def table(lines: list[dict], step: int | None = None, width: int | None = None) -> str:
-    """The completions of `step` (default: the last step logged), one row each: policy version,
-    advantage, each reward, finish reason, prompt and completion (cut to fit `width`)."""
+    """The completions of `step` (default: the last step logged), one row each: policy version
+    (each token's, of a partial rollout), advantage, each reward, finish reason, prompt and completion (cut to fit `width`)."""
     if not lines:
         return "no completions logged yet"
     steps = sorted({line["step"] for line in lines})
@@ -35,7 +42,7 @@ def table(lines: list[dict], step: int | None = None, width: int | None = None) 
     width = width or shutil.get_terminal_size((160, 24)).columns
     rewards = [k for k in rows[0] if k.startswith("rewards/")]
     head = ["version", "advantage", "reward", *[k.removeprefix("rewards/") for k in rewards], "finish"]
-    cells = [[str(r["policy_version"]), f"{r['advantage']:+.3f}", _num(r["reward"]), *[_num(r[k]) for k in rewards], r["finish_reason"]] for r in rows]
+    cells = [[_versions(r), f"{r['advantage']:+.3f}", _num(r["reward"]), *[_num(r[k]) for k in rewards], r["finish_reason"]] for r in rows]
     sizes = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
     fixed = sum(sizes) + 2 * len(sizes)
     text_width = max(10, width - fixed - 2)

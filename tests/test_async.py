@@ -68,7 +68,8 @@ def read(out):
     return metrics, completions
 
 
-@pytest.mark.parametrize("mode", ["colocate_sync", "colocate_sync_accelerate", "server_sync", pytest.param("server_async", marks=pytest.mark.quick)])
+@pytest.mark.parametrize("mode", ["colocate_sync", "colocate_sync_accelerate", "server_sync", pytest.param("server_async", marks=pytest.mark.quick),
+                                  "server_async_partial"])
 def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, data, server, tmp_path, mode):
     extra = ["--max_steps", "4"]
     if not mode.startswith("colocate"):
@@ -79,6 +80,8 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
         extra += ["--rollout_mode", "server", "--rollout_server_urls", server.url, "--off_policy_correction", "none"]
     if mode == "server_async":
         extra += ["--async_generate", "true", "--max_staleness", "1"]
+    if mode == "server_async_partial":  # sequences of 4 tokens in 2 passes, across versions
+        extra += ["--async_generate", "true", "--max_staleness", "2", "--max_tokens_per_round", "2"]
     train(1, base_args(tiny_model, data, tmp_path / "one", 32, *extra))
     train(2, base_args(tiny_model, data, tmp_path / "two", 16, *extra), launcher="accelerate" if mode.endswith("accelerate") else "torchrun",
           trace=tmp_path / "trace")  # fmt: skip
@@ -86,7 +89,7 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
     collectives = same_collectives(tmp_path / "trace")
     assert collectives.count("gather rewards") == 4 and collectives.count("backward (gradients synced)") == 4
     assert ("barrier servers hold the run's weights" in collectives) == mode.startswith("server")
-    assert ("barrier rounds ahead generated" in collectives) == (mode == "server_async")
+    assert ("barrier rounds ahead generated" in collectives) == mode.startswith("server_async")
     (one, one_c), (two, two_c) = read(tmp_path / "one"), read(tmp_path / "two")
     assert len(one) == len(two) == 4  # rank 0 alone writes the log
     assert [m["reward"] for m in one] == [m["reward"] for m in two]  # the same completions, gathered
@@ -97,6 +100,42 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
     # steps at lr 1e-2 leave differences of a few 1e-6 (measured 4e-6 to 2e-5).
     worst = weight_gap(tmp_path / "one", tmp_path / "two", 4)
     assert worst < 1e-4, worst
+    if mode == "server_async_partial":  # rank 0's tokens have the same versions in both, and some sequences crossed an update
+        versions = [[c["token_versions"] for c in cs if c["round"] == r][:16] for cs in (one_c, two_c) for r in range(4)]
+        assert versions[:4] == versions[4:] and any(len(v) > 1 for rnd in versions for v in rnd)
+
+
+def test_partial_rollouts_keep_each_token_within_max_staleness_and_a_killed_run_resumes_bitwise(tiny_model, data, server, tmp_path):
+    # Completions of up to 12 tokens, 4 per engine call, so a sequence spans up to 3 versions.
+    extra = ["--max_steps", "8", "--save_steps", "2", "--max_completion_length", "12", "--rollout_mode", "server", "--rollout_server_urls",
+             server.url, "--async_generate", "true", "--max_staleness", "3", "--max_tokens_per_round", "4"]  # fmt: skip
+    train(1, base_args(tiny_model, data, tmp_path / "whole", 16, *extra))
+    metrics, completions = read(tmp_path / "whole")
+    for c in completions:  # every token of round r is of a version in [r - 3, r - 1] (round 0: 0), in order
+        versions = [v for v, _ in c["token_versions"]]
+        assert sum(n for _, n in c["token_versions"]) == c["completion_tokens"] and versions == sorted(versions)
+        assert all(max(0, c["round"] - 3) <= v <= max(0, c["round"] - 1) for v in versions), (c["round"], c["token_versions"])
+        assert c["policy_version"] == versions[0]
+    assert any(len(c["token_versions"]) == 3 for c in completions)
+    assert all(m["staleness/max"] <= 3 for m in metrics) and max(m["partial_rollouts/crossed_update"] for m in metrics) > 0.5
+    assert all(0 < m["engine/occupancy"] <= 1 for m in metrics if "engine/occupancy" in m)
+    out = tmp_path / "killed"
+    trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 16, *extra)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=ENV, start_new_session=True)  # fmt: skip
+    try:
+        wait_for_step(out, 3, trainer)
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+    latest = out / (out / "latest").read_text().strip()
+    in_flight = json.loads((latest / "in_flight_0.json").read_text())  # sequences cut short, saved with their tokens' versions
+    assert any(0 < len(ids) < 12 and finish is None for f in in_flight["flights"] for ids, finish in zip(f["ids"], f["finish"]))
+    train(1, base_args(tiny_model, data, out, 16, *extra, "--resume_from_checkpoint", "latest"))
+    resumed, resumed_c = read(out)
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics] and [m["reward"] for m in resumed] == [m["reward"] for m in metrics]
+    assert [c["token_versions"] for c in resumed_c] == [c["token_versions"] for c in completions]
+    assert weight_gap(tmp_path / "whole", out, 8) == 0.0
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])

@@ -65,6 +65,10 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--rollout_func", "agent.py:run", "--fsdp", "full_shard"], "fsdp"),
         (["--reward_funcs", "environment"], "reward_funcs"),
         (["--rollout_func", "agent.py:run", "--tools", "calculator"], "rollout_func"),
+        (["--max_tokens_per_round", "64"], "max_tokens_per_round"),  # partial rollouts need async_generate
+        (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "0"], "max_tokens_per_round"),
+        (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8", "--tools", "calculator"], "max_tokens_per_round"),
+        (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8", "--dynamic_sample", "true"], "max_tokens_per_round"),
         # Values that trained nothing or never ended, and ones that failed only once the model had loaded.
         (["--learning_rate", "inf"], "learning_rate"),
         (["--max_grad_norm", "inf"], "max_grad_norm"),
@@ -122,6 +126,8 @@ def test_options_without_effect_in_the_run_warn_naming_what_they_need():
     assert "max_staleness=2 has no effect without async_generate true" in warnings
     assert "lora_r=8 has no effect without use_peft true" in warnings
     assert "verify_weight_sync=True has no effect without rollout_mode server" in warnings
+    partial = _config("--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8").warnings()
+    assert any("max_tokens_per_round with max_staleness 1 carries no sequence across versions" in w for w in partial)
     assert _config().warnings() == []  # defaults never warn
     assert _config("--use_peft", "true", "--lora_r", "8").warnings() == []
 

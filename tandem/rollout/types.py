@@ -67,11 +67,18 @@ class Rollout:
     # template glue), which are out of the loss, the KL and the entropy. None: all the model's.
     loss_mask: list[int] | None = None
     turns: dict | None = None  # multi-turn: messages, tool calls, versions of its turns (multiturn.Trajectory.info)
+    # Partial rollouts: the version of each completion token, run-length coded as [version, count]
+    # pairs in order (a sequence carried across weight updates). None: every token is of `version`.
+    token_versions: list[list[int]] | None = None
 
     @property
     def model_tokens(self) -> int:
         """Completion tokens the model produced (the ones the loss counts)."""
         return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
+    def newest_version(self) -> int:
+        return self.token_versions[-1][0] if self.token_versions else self.version
 
     @property
     def truncated(self) -> bool:

@@ -51,6 +51,7 @@ from tandem.trainer.config import ConfigError, TrainConfig, resume_changes
 from tandem.trainer.dist import Dist
 from tandem.trainer.eval import Evaluator
 from tandem.trainer.learner import EntropyBonus, Learner, LossSettings, ReferenceSync
+from tandem.trainer.partial import PartialProducer
 from tandem.trainer.producer import AsyncProducer, SyncProducer
 from tandem.trainer.servers import ServerOptions, Servers
 from tandem.trainer.setup import (
@@ -84,6 +85,7 @@ class Schedule:
     sigterm_timeout: float  # seconds from a SIGTERM to the exit, whatever the run is doing
     tool_names: list[str] | None = None  # a multi-turn run's tools (metrics per tool); None: one turn
     agents: bool = False  # agent_func: agents/* metrics
+    partial: bool = False  # max_tokens_per_round: partial_rollouts/* metrics
 
 
 @dataclass
@@ -181,11 +183,11 @@ def build(config: TrainConfig) -> Run:
         if not saved:
             state.sampler = producer.sampler.state_dict()
         checkpointer = checkpoint.Checkpointer(out, dist, learner, producer, tokenizer, config.to_dict(), config.save_total_limit, plan is not None)
-        ready = checkpointer.restore_rank(resume_dir) if resume_dir else []
+        ready, carried = checkpointer.restore_rank(resume_dir) if resume_dir else ([], None)
         if resume_dir:
             producer.sampler.load_state_dict(saved["sampler"])
             _resume_logs(out, dist, resume_dir, state)
-        producer.start(state.round, ready)
+        producer.start(state.round, ready, carried)
         producer.set_live_version(state.version)
         last_step = config.max_steps
         sync = WeightSync(engine, producer, dist, push, config.max_staleness if config.async_generate else None, last_step)
@@ -427,7 +429,10 @@ def _producer(config: TrainConfig, dist: Dist, table, tokenizer, reward_fns, eng
     if not config.async_generate:
         return SyncProducer(*args, **resample)
     last_round = math.ceil(config.max_steps / config.steps_per_round()) - 1
-    return AsyncProducer(*args, max_staleness=config.max_staleness, round_timeout=config.round_timeout(), last_round=last_round, **resample)
+    ahead = {"max_staleness": config.max_staleness, "round_timeout": config.round_timeout(), "last_round": last_round}
+    if config.max_tokens_per_round is not None:
+        return PartialProducer(*args, **ahead, max_tokens_per_round=config.max_tokens_per_round, **resample)
+    return AsyncProducer(*args, **ahead, **resample)
 
 
 def _resume_logs(out: Path, dist: Dist, resume_dir: Path, state: TrainState) -> None:
@@ -463,4 +468,5 @@ def _schedule(config: TrainConfig, tool_names: list[str] | None) -> Schedule:
         sigterm_timeout=config.sigterm_timeout,
         tool_names=tool_names,
         agents=config.agent_func is not None,
+        partial=config.max_tokens_per_round is not None,
     )

@@ -294,6 +294,9 @@ class Checkpointer:
         ahead = ahead[: int(dist.gather_collective(torch.tensor([len(ahead)]), "rounds ahead").min())]
         _torch_save(rng_state(), tmp / f"rng_state_{dist.rank}.pt")
         (tmp / f"rounds_{dist.rank}.json").write_text(json.dumps([r.to_dict() for r in ahead]))
+        carried = self.producer.carried()  # partial rollouts: the sequences in flight, and the sampler past them
+        if carried is not None:
+            (tmp / f"in_flight_{dist.rank}.json").write_text(json.dumps(carried))
         moving_ref = self.learner.ref_model.lm if self.learner.ref_sync.every else None  # sync_ref_model: the reference is state too
         if self.sharded:  # every rank writes its shards; rank 0 the model's config
             from tandem.trainer.sharding import save_checkpoint
@@ -331,14 +334,16 @@ class Checkpointer:
         dist.barrier_collective("checkpoint: done")
         return path
 
-    def restore_rank(self, resume_dir: Path) -> list:
-        """This rank's part of a checkpoint: its RNG state (set now) and the rounds it had
-        generated ahead (returned, for the producer)."""
+    def restore_rank(self, resume_dir: Path) -> tuple[list, dict | None]:
+        """This rank's part of a checkpoint: its RNG state (set now), and for the producer the
+        rounds it had generated ahead and the sequences it had in flight (partial rollouts)."""
         from tandem.trainer.producer import Round
 
         rounds_file = resume_dir / f"rounds_{self.dist.rank}.json"
         ready = [Round.from_dict(d) for d in json.loads(rounds_file.read_text())] if rounds_file.exists() else []
+        in_flight = resume_dir / f"in_flight_{self.dist.rank}.json"
+        carried = json.loads(in_flight.read_text()) if in_flight.exists() else None
         rng_file = resume_dir / f"rng_state_{self.dist.rank}.pt"
         if rng_file.exists():
             set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy's state needs pickle
-        return ready
+        return ready, carried

@@ -74,6 +74,7 @@ class TrainConfig:
     rollout_api_key_file: str | None = opt(None, "A file holding the servers' key (its first line), instead of rollout_api_key.", "generation")
     async_generate: bool = opt(False, "Generate the next rounds in the background while training on the current one (server mode).", "generation")
     max_staleness: int = opt(1, "With async_generate: round r may be generated with any policy version >= r - max_staleness (0 is synchronous).", "generation")
+    max_tokens_per_round: int | None = opt(None, "Partial rollouts (with async_generate): each engine call, every sequence in flight decodes at most this many more tokens, at one policy version; an unfinished one carries over to the next version from its exact tokens, beside the next rounds' sequences, so a long completion no longer holds the engine alone. Each token's version is recorded and none trains more than max_staleness versions behind; a run stays bitwise reproducible. Pays with max_staleness >= 2 and a long tail of lengths; with max_tokens_per_round x max_staleness >= max_completion_length each version is one engine call (a version at which a round is due and unfinished decodes it in more). None: every round is generated whole (see docs/partial-rollouts.md).", "generation")
     off_policy_correction: str = opt("sequence_mask", "Importance weight proximal/behaviour on each token's loss, applied whenever a rollout server generates (its numerics differ from the trainer's, and async rollouts lag): none, token_truncate, token_mask, sequence_truncate, sequence_mask (TRL's vllm_importance_sampling_mode; colocated runs need none).", "generation")
     importance_sampling_cap: float = opt(3.0, "Upper bound of the importance weight: truncate modes clip to it, mask modes drop what exceeds it (TRL's vllm_importance_sampling_clip_max).", "generation")
     importance_sampling_clip_min: float | None = opt(None, "Lower bound of the importance weight, in (0, 1]: truncate modes raise weights to it, mask modes drop what falls below it; none for no lower bound (TRL's vllm_importance_sampling_clip_min).", "generation")
@@ -257,7 +258,7 @@ class TrainConfig:
         if self.reward_timeout is None:
             return None
         calls = 1 + (self.max_resample_times if self.dynamic_sample else 0)
-        turns = 1 + self.tool_turns() if self.multi_turn() else 1
+        turns = 1 + self.tool_turns() if self.multi_turn() else self.partial_passes()  # with token budgets, a round's first version may run all its passes
         generate = turns * (self.rollout_server_timeout + self.rollout_request_timeout) + (turns - 1) * self.tool_timeout
         if self.agent_func:  # an episode is cut at agent_timeout, whatever its turns
             generate = self.agent_timeout
@@ -299,6 +300,20 @@ class TrainConfig:
             return int(self.warmup_steps)
         return math.ceil((self.warmup_steps or self.warmup_ratio) * self.max_steps)
 
+    def _validate_partial(self, need) -> None:
+        if self.max_tokens_per_round is None:
+            return
+        need(self.max_tokens_per_round >= 1, "max_tokens_per_round", "must be >= 1, or none to generate whole rounds")
+        need(self.async_generate, "max_tokens_per_round", "needs async_generate true and max_staleness >= 2: sequences carry over to later "
+             "versions only while a round waits to be trained (with max_staleness 0 every token must be of the version that trains it)")  # fmt: skip
+        need(not self.multi_turn(), "max_tokens_per_round", "partial rollouts of multi-turn trajectories (tools, environment_factory, "
+             "rollout_func, agent_func) are not built yet: drop max_tokens_per_round")  # fmt: skip
+        need(not self.dynamic_sample, "max_tokens_per_round", "dynamic_sample with partial rollouts is not built yet: drop one of them")
+
+    def partial_passes(self) -> int:
+        """Engine calls a sequence needs at most, with token budgets (1 without)."""
+        return math.ceil(self.max_completion_length / self.max_tokens_per_round) if self.max_tokens_per_round else 1
+
     def _validate_tools(self, need) -> None:
         from tandem.rollout.tools import TOOL_PARSERS
 
@@ -338,6 +353,7 @@ class TrainConfig:
         need(self.rollout_connect_timeout > 0 and self.rollout_request_timeout > 0, "rollout_request_timeout", "timeouts must be > 0 seconds")
         need(not self.async_generate or self.rollout_mode == "server", "async_generate", "needs rollout_mode: server (a colocated engine would share the weights being trained, so it cannot overlap)")
         need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        self._validate_partial(need)
         need(self.off_policy_correction in OFF_POLICY_CORRECTIONS, "off_policy_correction", f"must be one of {OFF_POLICY_CORRECTIONS}")
         need(self.importance_sampling_cap >= 1, "importance_sampling_cap", "must be >= 1 (a weight of 1 means on-policy)")
         need(
@@ -504,6 +520,9 @@ class TrainConfig:
         }
         out = [f"{name}={getattr(self, name)!r} has no effect without {needs}" for name, (unused, needs) in idle.items()
                if unused and getattr(self, name) != getattr(defaults, name)]  # fmt: skip
+        if self.max_tokens_per_round is not None and self.max_staleness < 2:
+            out.append(f"max_tokens_per_round with max_staleness {self.max_staleness} carries no sequence across versions (only the "
+                       "round being generated is in flight), so it only splits that round's engine calls: set max_staleness >= 2")  # fmt: skip
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             out.append("loss_type luspo is meant with importance_sampling_level sequence, as in its paper (TRL warns the same)")
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
@@ -544,7 +563,7 @@ class ConfigError(ValueError):
 RESUME_FIXED = (
     "model_name_or_path", "dataset_name", "dataset_split", "dataset_config", "shuffle_dataset", "seed", "num_generations",
     "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
-    "loss_type", "async_generate", "max_staleness", "lora_r", "lora_alpha", "lora_target_modules", "lora_modules_to_save", "sync_ref_model",
+    "loss_type", "async_generate", "max_staleness", "max_tokens_per_round", "lora_r", "lora_alpha", "lora_target_modules", "lora_modules_to_save", "sync_ref_model",
 )  # fmt: skip (use_peft and fsdp have checks of their own, which say how to resume)
 NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "output_dir")  # where the run goes, not what it is
 

@@ -189,8 +189,13 @@ def prepare_collective(run: Run, rnd: Round) -> Prepared:
     behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C) if s.server else None  # (N_rank, C)
     staleness = {}
     if s.asynchronous:
-        behind = dist.gather_collective(torch.tensor([float(run.sync.engine.version - r.version) for r in rollouts]), "staleness")  # (N,)
-        staleness = {"staleness/mean": behind.mean().item(), "staleness/max": behind.max().item()}
+        # Of each completion's oldest token; with partial rollouts also how many versions its tokens span.
+        ages = torch.tensor([[float(run.sync.engine.version - r.version), float(r.newest_version - r.version)] for r in rollouts])  # (N_rank, 2)
+        ages = dist.gather_collective(ages, "staleness")  # (N, 2)
+        staleness = {"staleness/mean": ages[:, 0].mean().item(), "staleness/max": ages[:, 0].max().item()}
+        if s.partial:
+            staleness.update({"partial_rollouts/version_spread": ages[:, 1].mean().item(),
+                              "partial_rollouts/crossed_update": (ages[:, 1] > 0).float().mean().item()})  # fmt: skip
     orders = [_order(s.seed, n, rnd.index, it) for it in range(s.num_iterations)]
     counts = torch.zeros((s.num_iterations, s.steps_per_pass))
     for it, order in enumerate(orders):

@@ -157,6 +157,8 @@ def round_metrics(rnd, reward_names: list[str], table, rewards, adv_stats, lengt
         "time/generate": rnd.generate_seconds if first else 0.0,
         "time/reward": rnd.reward_seconds if first else 0.0,
     }
+    if rnd.occupancy is not None:  # this rank's engine calls
+        m["engine/occupancy"] = rnd.occupancy
     for j, name in enumerate(reward_names):
         m[f"rewards/{name}/mean"] = torch.nanmean(table[:, j]).item()
         m[f"rewards/{name}/std"] = nanstd(table[:, j]).nan_to_num(0.0).item()
@@ -220,6 +222,7 @@ def completion_records(rnd, tokenizer, reward_names: list[str], rewards, advanta
             "advantage": advantages[k].item(),
             "finish_reason": ro.finish_reason,
             "policy_version": ro.version,
+            **({"token_versions": ro.token_versions} if ro.token_versions else {}),  # partial rollouts: [version, tokens] runs
             **({"turns": ro.turns} if ro.turns else {}),  # multi-turn: its messages, tool calls and each turn's version
         }
         for k, ro in enumerate(shown)

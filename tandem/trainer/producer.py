@@ -53,6 +53,7 @@ class Round:
     wait_seconds: float = 0.0  # how long the trainer sat waiting for this round
     dropped_groups: int = 0  # dynamic sampling: groups of agreeing rewards left out of the round
     resampled_completions: int = 0  # dynamic sampling: completions generated to replace them
+    occupancy: float | None = None  # of the engine: tokens kept / (sequences x decode steps) of the round's calls
 
     def to_dict(self) -> dict:
         """JSON-ready (floats round-trip exactly through JSON; NaN rewards become null)."""
@@ -66,6 +67,7 @@ class Round:
             "sampler_state": self.sampler_state,
             "dropped_groups": self.dropped_groups,
             "resampled_completions": self.resampled_completions,
+            "occupancy": self.occupancy,
         }
 
     @classmethod
@@ -74,7 +76,7 @@ class Round:
         return cls(
             d["index"], [Rollout(**r) for r in d["rollouts"]], rewards, d["completions"],
             d["generate_seconds"], d["reward_seconds"], d["sampler_state"],
-            dropped_groups=d.get("dropped_groups", 0), resampled_completions=d.get("resampled_completions", 0),
+            dropped_groups=d.get("dropped_groups", 0), resampled_completions=d.get("resampled_completions", 0), occupancy=d.get("occupancy"),
         )  # fmt: skip
 
 
@@ -109,7 +111,7 @@ class SyncProducer:
         self.round_index = 0  # the next round the trainer will get
         self._ready: dict[int, Round] = {}
 
-    def start(self, first_round: int = 0, ready: list[Round] = ()) -> None:
+    def start(self, first_round: int = 0, ready: list[Round] = (), carried: dict | None = None) -> None:
         """Begin at round first_round; `ready` are rounds already generated (from a checkpoint)."""
         self.round_index = first_round
         self._ready = {rnd.index: rnd for rnd in ready}
@@ -117,6 +119,10 @@ class SyncProducer:
     def pending(self) -> list[Round]:
         """Rounds generated but not yet handed to the trainer, in order (for a checkpoint)."""
         return []
+
+    def carried(self) -> dict | None:
+        """Sequences in flight between rounds, for a checkpoint (partial rollouts; None here)."""
+        return None
 
     def next_round(self) -> Round:
         if self.round_index in self._ready:
@@ -145,8 +151,10 @@ class SyncProducer:
         dropped = resampled = 0
         if self.max_resample_times is not None:
             rollouts, table, completions, dropped, resampled = self._resample(r, rollouts, table, completions, times)
+        longest = max(ro.model_tokens for ro in rollouts)
+        occupancy = sum(ro.model_tokens for ro in rollouts) / (len(rollouts) * longest) if longest else None
         return Round(r, rollouts, table, completions, times[0], times[1], self.sampler.state_dict(),
-                     dropped_groups=dropped, resampled_completions=resampled)  # fmt: skip
+                     dropped_groups=dropped, resampled_completions=resampled, occupancy=occupancy)  # fmt: skip
 
     def _generate(self, r: int, indices: list[int], slots: list[int], times: list[float]) -> tuple[list[Rollout], torch.Tensor, list]:
         """The G completions of each prompt, scored; their seeds come from (round, slot)."""
@@ -283,7 +291,7 @@ class AsyncProducer(SyncProducer):
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="tandem-producer", daemon=True)
 
-    def start(self, first_round: int = 0, ready: list[Round] = ()) -> None:
+    def start(self, first_round: int = 0, ready: list[Round] = (), carried: dict | None = None) -> None:
         self.round_index = first_round
         for rnd in ready:
             self._future(rnd.index).set_result(rnd)
