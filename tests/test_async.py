@@ -119,6 +119,9 @@ def test_partial_rollouts_keep_each_token_within_max_staleness_and_a_killed_run_
     assert any(len(c["token_versions"]) == 3 for c in completions)
     assert all(m["staleness/max"] <= 3 for m in metrics) and max(m["partial_rollouts/crossed_update"] for m in metrics) > 0.5
     assert all(0 < m["engine/occupancy"] <= 1 for m in metrics if "engine/occupancy" in m)
+    # Round 0, all of version 0 in two calls: a sequence continued from its tokens (prefilled
+    # again) has the log-probs the trainer recomputes, to the last bits.
+    assert metrics[0]["kl_behav_proximal"] < 1e-9
     out = tmp_path / "killed"
     trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 16, *extra)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env=ENV, start_new_session=True)  # fmt: skip

@@ -37,11 +37,13 @@ def served(server, *extra):
     return ["--rollout_mode", "server", "--rollout_server_urls", server.url, "--rollout_api_key", KEY, *extra]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "partial"])
 def test_two_processes_train_like_one_with_twice_the_batch(model64, data, server, tmp_path, mode):
     extra = ["--max_steps", "4", *served(server)]
     if mode == "async":
         extra += ["--async_generate", "true", "--max_staleness", "1"]
+    if mode == "partial":  # completions of 4 tokens in calls of 2, round 3's across versions 1 and 2
+        extra += ["--async_generate", "true", "--max_staleness", "2", "--max_tokens_per_round", "2"]
     train(1, base_args(model64, data, tmp_path / "one", 32, *extra))
     train(2, base_args(model64, data, tmp_path / "two", 16, *extra))
     (one, one_c), (two, two_c) = read(tmp_path / "one"), read(tmp_path / "two")
@@ -55,6 +57,11 @@ def test_two_processes_train_like_one_with_twice_the_batch(model64, data, server
     assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
     worst = weight_gap(tmp_path / "one", tmp_path / "two", 4)
     assert worst < 1e-4, worst
+    if mode == "partial":
+        versions = [[c["token_versions"] for c in cs if c["round"] == r][:16] for cs in (one_c, two_c) for r in range(4)]
+        assert versions[:4] == versions[4:] and any(len(v) > 1 for rnd in versions for v in rnd)
+        # A sequence continued from its tokens (prefilled again) gets the log-probs the trainer recomputes.
+        assert one[0]["kl_behav_proximal"] < 1e-8
 
 
 @pytest.mark.quick

@@ -74,7 +74,7 @@ class TrainConfig:
     rollout_api_key_file: str | None = opt(None, "A file holding the servers' key (its first line), instead of rollout_api_key.", "generation")
     async_generate: bool = opt(False, "Generate the next rounds in the background while training on the current one (server mode).", "generation")
     max_staleness: int = opt(1, "With async_generate: round r may be generated with any policy version >= r - max_staleness (0 is synchronous).", "generation")
-    max_tokens_per_round: int | None = opt(None, "Partial rollouts (with async_generate): each engine call, every sequence in flight decodes at most this many more tokens, at one policy version; an unfinished one carries over to the next version from its exact tokens, beside the next rounds' sequences, so a long completion no longer holds the engine alone. Each token's version is recorded and none trains more than max_staleness versions behind; a run stays bitwise reproducible. Pays with max_staleness >= 2 and a long tail of lengths; with max_tokens_per_round x max_staleness >= max_completion_length each version is one engine call (a version at which a round is due and unfinished decodes it in more). None: every round is generated whole (see docs/partial-rollouts.md).", "generation")
+    max_tokens_per_round: int | None = opt(None, "Partial rollouts (with async_generate): at each policy version, every sequence in flight decodes at most this many more tokens; an unfinished one carries over to the next version from its exact tokens, beside the next rounds' sequences, so a long completion no longer holds the engine alone. Each token's version is recorded and none trains more than max_staleness versions behind; a run stays bitwise reproducible. Pays with max_staleness >= 2 and a long tail of lengths: a round's sequences still unfinished at its last version (longer than max_staleness x max_tokens_per_round) are finished there alone. None: every round is generated whole (see docs/partial-rollouts.md).", "generation")
     off_policy_correction: str = opt("sequence_mask", "Importance weight proximal/behaviour on each token's loss, applied whenever a rollout server generates (its numerics differ from the trainer's, and async rollouts lag): none, token_truncate, token_mask, sequence_truncate, sequence_mask (TRL's vllm_importance_sampling_mode; colocated runs need none).", "generation")
     importance_sampling_cap: float = opt(3.0, "Upper bound of the importance weight: truncate modes clip to it, mask modes drop what exceeds it (TRL's vllm_importance_sampling_clip_max).", "generation")
     importance_sampling_clip_min: float | None = opt(None, "Lower bound of the importance weight, in (0, 1]: truncate modes raise weights to it, mask modes drop what falls below it; none for no lower bound (TRL's vllm_importance_sampling_clip_min).", "generation")
@@ -258,7 +258,7 @@ class TrainConfig:
         if self.reward_timeout is None:
             return None
         calls = 1 + (self.max_resample_times if self.dynamic_sample else 0)
-        turns = 1 + self.tool_turns() if self.multi_turn() else self.partial_passes()  # with token budgets, a round's first version may run all its passes
+        turns = 1 + self.tool_turns() if self.multi_turn() else (2 if self.max_tokens_per_round else 1)  # partial rollouts: a version's call, then its due round's finishing one
         generate = turns * (self.rollout_server_timeout + self.rollout_request_timeout) + (turns - 1) * self.tool_timeout
         if self.agent_func:  # an episode is cut at agent_timeout, whatever its turns
             generate = self.agent_timeout
@@ -309,10 +309,6 @@ class TrainConfig:
         need(not self.multi_turn(), "max_tokens_per_round", "partial rollouts of multi-turn trajectories (tools, environment_factory, "
              "rollout_func, agent_func) are not built yet: drop max_tokens_per_round")  # fmt: skip
         need(not self.dynamic_sample, "max_tokens_per_round", "dynamic_sample with partial rollouts is not built yet: drop one of them")
-
-    def partial_passes(self) -> int:
-        """Engine calls a sequence needs at most, with token budgets (1 without)."""
-        return math.ceil(self.max_completion_length / self.max_tokens_per_round) if self.max_tokens_per_round else 1
 
     def _validate_tools(self, need) -> None:
         from tandem.rollout.tools import TOOL_PARSERS

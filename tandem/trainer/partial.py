@@ -2,30 +2,29 @@
 
 A round's completions need not be generated in one engine call at one version. With token
 budgets (max_tokens_per_round = B), the producer keeps the sequences of every admitted round in
-flight together: each engine call ("pass") decodes at most B more tokens of every unfinished
-sequence, at the live version; a sequence that is not finished continues in the next pass from
-its exact tokens (re-prefilled: the engine never sees text), beside the sequences of later
-rounds. The short completions of later rounds fill the engine's batch while a long one of an
+flight together: at each version, one engine call decodes at most B more tokens of every
+unfinished sequence; a sequence that is not finished continues at the next version from its
+exact tokens (re-prefilled: the engine never sees text), beside the sequences of later rounds. The short completions of later rounds fill the engine's batch while a long one of an
 earlier round runs, where a whole round would decode its longest completion alone.
 
 Where a sequence changes weights is fixed by token counts, never by timing:
   round r is admitted (takes its prompts) at version first(r) = max(0, r - k), k = max_staleness;
   it is due at version due(r) = max(0, r - 1) (r itself when k = 0): the trainer trains it after
-    version r is live, so it must be finished by the end of that version's passes;
-  version v runs passes(v) passes, the fewest that let every round due at v have
-    ceil(max_completion_length / B) passes since it was admitted (1 when k * B >= the length);
-  a pass at version v decodes every admitted unfinished sequence, with seed turn_seed(seed, chunk)
-    for its chunk-th pass, and a round is scored and handed over when it is due.
+    version r is live, so it must be finished by the end of that version's calls;
+  at version v, one call decodes at most B more tokens of every admitted unfinished sequence
+    (its chunk-th call draws from seed turn_seed(seed, chunk)); then one more call finishes the
+    sequences of the rounds due at v that are still unfinished (those longer than their
+    versions' budgets: none when k * B >= max_completion_length), alone;
+  a round is scored and handed over when it is due.
 So every token trained at round r is of a version in [r - k, r - 1], each sequence's chunks and
-versions depend only on the seed and its lengths, and N processes (each with its own groups) make
-the same sequences as one. The trainer pushes version v + 1 only after version v's passes
+versions depend only on the seed and its own length, and N processes (each with its own groups)
+make the same sequences as one. The trainer pushes version v + 1 only after version v's calls
 (wait_generated), as for whole rounds.
 
-A checkpoint holds the sequences in flight after the last version's passes (carried) and the
+A checkpoint holds the sequences in flight after the last version's calls (carried) and the
 rounds due by then; a resumed run goes on from them, bitwise.
 """
 
-import math
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -46,11 +45,11 @@ class Flight:
     ids: list[list[int]]  # completion tokens so far
     logprobs: list[list[float]]
     versions: list[list[list[int]]]  # per sequence, [version, count] runs
-    chunks: list[int]  # passes each sequence took part in
+    chunks: list[int]  # engine calls each sequence took part in
     finish: list[str | None]  # None while it goes on
     sampler_state: dict  # the sampler right after this round took its prompts
     generate_seconds: float = 0.0
-    occupancy_tokens: int = 0  # of the passes at its due version: tokens kept
+    occupancy_tokens: int = 0  # of the calls at its due version: tokens kept
     occupancy_slots: int = 0  # and sequences x decode steps
 
 
@@ -61,30 +60,18 @@ class PartialProducer(AsyncProducer):
     def __init__(self, *args, max_tokens_per_round: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.budget = max_tokens_per_round
-        self.need = math.ceil(self.params.max_tokens / self.budget)  # passes a sequence may need
         self._flights: dict[int, Flight] = {}
         self._next_admit = 0
-        self._first_pass = 0
-        self._passes_done = -1  # the last version whose passes are done
+        self._first_version = 0
+        self._versions_done = -1  # the last version whose calls are done
         self._failure: BaseException | None = None
-        self._saved: dict[int, dict] = {}  # version -> what a checkpoint keeps after its passes
-        self._passes_memo: dict[int, int] = {}
-
-    # ------------------------------------------------------------------ the schedule (arithmetic only)
+        self._saved: dict[int, dict] = {}  # version -> what a checkpoint keeps after its calls
 
     def first(self, r: int) -> int:
         return max(0, r - self.max_staleness)
 
     def due(self, r: int) -> int:
         return max(0, r - min(self.max_staleness, 1))
-
-    def passes(self, v: int) -> int:
-        """Passes at version v: 1, or more where a round due at v would otherwise lack some."""
-        if v not in self._passes_memo:
-            due = [r for r in (0, v, v + 1) if r <= self.last_round and self.due(r) == v]
-            lacking = [self.need - sum(self.passes(u) for u in range(self.first(r), v)) for r in due]
-            self._passes_memo[v] = max([1, *lacking])
-        return self._passes_memo[v]
 
     def last_version(self) -> int:
         return self.due(self.last_round)
@@ -98,17 +85,17 @@ class PartialProducer(AsyncProducer):
         if carried is not None:
             self._flights = {f["index"]: Flight(**f) for f in carried["flights"]}
             self._next_admit = carried["next_admit"]
-            self._first_pass = carried["version"] + 1
+            self._first_version = carried["version"] + 1
             self._saved[carried["version"]] = carried  # a checkpoint before the next pass keeps it again
             self.sampler.load_state_dict(carried["sampler"])
         else:  # a fresh run, or a checkpoint of whole rounds: what is not generated is admitted afresh
             self._next_admit = first_round + len(ready)
-            self._first_pass = self.first(self._next_admit)
-        self._passes_done = self._first_pass - 1
+            self._first_version = self.first(self._next_admit)
+        self._versions_done = self._first_version - 1
         self._thread.start()
 
     def _run(self) -> None:
-        for v in range(self._first_pass, self.last_version() + 1):
+        for v in range(self._first_version, self.last_version() + 1):
             with self._cv:
                 self._cv.wait_for(lambda: self._live_version >= v or self._stopped)
                 if self._stopped:
@@ -126,26 +113,26 @@ class PartialProducer(AsyncProducer):
                 return
 
     def wait_generated(self, r: int) -> None:
-        """Return once the passes of version r - max_staleness are done (the last a round up to r
+        """Return once the calls of version r - max_staleness are done (the last a round up to r
         is admitted at): the next version may go live."""
         v = self.first(r)
         if v > self.last_version():
             return
         with self._cv:
-            if not self._cv.wait_for(lambda: self._passes_done >= v or self._failure is not None, timeout=self.round_timeout):
-                raise RoundTimeout(f"waited {self.round_timeout:g}s for the passes of version {v} (partial rollouts) before the next "
+            if not self._cv.wait_for(lambda: self._versions_done >= v or self._failure is not None, timeout=self.round_timeout):
+                raise RoundTimeout(f"waited {self.round_timeout:g}s for the calls of version {v} (partial rollouts) before the next "
                                    "weight push, longer than its generate calls and reward functions may take by their timeouts: "
                                    "a rollout server or a reward function is stuck")  # fmt: skip
-            if self._failure is not None and self._passes_done < v:
+            if self._failure is not None and self._versions_done < v:
                 raise self._failure
 
     def _checkpoint_version(self) -> int:
         """The version whose end a checkpoint keeps: the last one before the live one, once its
-        passes are done (waited for, as wait_generated would), else the last that is."""
+        calls are done (waited for, as wait_generated would), else the last that is."""
         v = min(self._live_version - 1, self.last_version())
         with self._cv:
-            self._cv.wait_for(lambda: self._passes_done >= v or self._failure is not None, timeout=self.round_timeout)
-            return min(v, self._passes_done)
+            self._cv.wait_for(lambda: self._versions_done >= v or self._failure is not None, timeout=self.round_timeout)
+            return min(v, self._versions_done)
 
     def pending(self) -> list[Round]:
         v = self._checkpoint_version()
@@ -166,13 +153,15 @@ class PartialProducer(AsyncProducer):
     # ------------------------------------------------------------------ generation
 
     def _version(self, v: int) -> None:
-        """Admit the rounds whose first version is v, run v's passes, hand over the rounds due."""
+        """Admit the rounds whose first version is v, run v's calls, hand over the rounds due."""
         while self._next_admit <= self.last_round and self.first(self._next_admit) <= v:
             self._admit(self._next_admit)
             self._next_admit += 1
         due = [r for r in sorted(self._flights) if self.due(r) == v]
-        for _ in range(self.passes(v)):
-            self._pass(v, due)
+        owner = self._flights[due[0]] if due else next(iter(self._flights.values()))  # the call's time and occupancy go to the round due
+        self._call(v, [(f, k) for f in self._flights.values() for k in range(len(f.seeds)) if f.finish[k] is None], self.budget, owner)
+        self._call(v, [(self._flights[r], k) for r in due for k in range(len(self._flights[r].seeds)) if self._flights[r].finish[k] is None],
+                   self.params.max_tokens, owner)  # fmt: skip
         for r in due:
             flight = self._flights.pop(r)
             self._future(r).set_result(self._finish(flight))
@@ -184,7 +173,7 @@ class PartialProducer(AsyncProducer):
                 "flights": [asdict(f) for f in self._flights.values()],
             }
             self._saved = {u: s for u, s in self._saved.items() if u >= v - 2}
-            self._passes_done = v
+            self._versions_done = v
             self._cv.notify_all()
 
     def _admit(self, r: int) -> None:
@@ -195,14 +184,13 @@ class PartialProducer(AsyncProducer):
         self._flights[r] = Flight(r, indices, slots, seeds, [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)],
                                   [0] * n, [None] * n, self.sampler.state_dict())  # fmt: skip
 
-    def _pass(self, v: int, due: list[int]) -> None:
-        """One engine call: every unfinished sequence decodes at most `budget` more tokens, none past max_tokens."""
-        G, limit = self.num_generations, self.params.max_tokens
-        live = [(f, k) for f in self._flights.values() for k in range(len(f.seeds)) if f.finish[k] is None]
+    def _call(self, v: int, live: list[tuple[Flight, int]], budget: int, owner: Flight) -> None:
+        """One engine call: each of `live` (flight, sequence) decodes at most `budget` more tokens, none past max_tokens."""
         if not live:
             return
+        G, limit = self.num_generations, self.params.max_tokens
         room = [limit - len(f.ids[k]) for f, k in live]
-        params = replace(self.params, max_tokens=min(self.budget, max(room)))
+        params = replace(self.params, max_tokens=min(budget, max(room)))
         prompts = [self.table.prompt_ids[f.indices[k // G]] + f.ids[k] for f, k in live]
         t = time.perf_counter()
         outs = self.engine.generate(prompts, params, [turn_seed(f.seeds[k], f.chunks[k]) for f, k in live], min_version=v)
@@ -223,8 +211,6 @@ class PartialProducer(AsyncProducer):
                 f.finish[k] = out.finish_reason
             elif len(f.ids[k]) >= limit:
                 f.finish[k] = "length"
-        # The pass's time and occupancy go to the round due at this version (the first, at version 0).
-        owner = self._flights[due[0]] if due else next(iter(self._flights.values()))
         owner.generate_seconds += seconds
         owner.occupancy_tokens += kept
         owner.occupancy_slots += len(live) * max(len(o.token_ids) for o in outs)
