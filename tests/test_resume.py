@@ -64,10 +64,12 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, serve
         assert [m["loss"] for m in m_resumed] == [m["loss"] for m in m_whole]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "partial"])
 def test_a_server_restart_mid_run_changes_nothing(tiny_model, data, tmp_path, mode):
     extra = ["--max_steps", "16", "--save_steps", "0", "--rollout_server_timeout", "90",
-             "--async_generate", "true" if mode == "async" else "false"]  # fmt: skip
+             "--async_generate", "false" if mode == "sync" else "true"]  # fmt: skip
+    if mode == "partial":  # sequences cut by the restart are prefilled again on the new server
+        extra += ["--max_staleness", "2", "--max_tokens_per_round", "2"]
     server = Server(tiny_model)
     try:
         train(1, base_args(tiny_model, data, tmp_path / "calm", 32, *extra, "--rollout_mode", "server", "--rollout_server_urls", server.url))
