@@ -29,8 +29,9 @@ from tandem.rollout.weights import fingerprint
 
 GOLDEN = Path(__file__).with_name("golden.json")
 DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
-# Wall-clock figures and where the run ran: not results.
-NOT_RESULTS = ("timestamp", "time/", "completion_tokens_per_second", "memory/", "staleness/")
+# Wall-clock figures and where the run ran: not results. engine/occupancy, added after the
+# recordings, follows from the completion lengths the recorded metrics check.
+NOT_RESULTS = ("timestamp", "time/", "completion_tokens_per_second", "memory/", "staleness/", "engine/")
 
 MODES = {
     # name: (processes, options); 4 steps each, on the tiny model

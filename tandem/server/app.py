@@ -50,7 +50,9 @@ def _openai_responses(*groups: dict[int, str]) -> dict:
 
 
 # A /v1/ generation's answer may also be server-sent events (stream: true).
-_STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "the answer; with stream: true, as events"}}
+# Each server-sent event: `data:` a JSON chunk, or [DONE] (OpenAPI tools read an event-stream's schema per event).
+_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": _EVENT}}, "description": "the answer; with stream: true, as events"}}
 
 
 class Guard:

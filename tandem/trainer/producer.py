@@ -6,7 +6,8 @@ producer generates rounds ahead in a background thread, admitting round r once v
 r - max_staleness is live; the trainer makes version v + 1 live only after round
 v + max_staleness has been generated (wait_generated), so no round ever sees a newer version
 than its own and a run is reproducible whatever the timing. The thread does HTTP and reward
-scoring only, never a collective.
+scoring only, never a collective. Partial rollouts (partial.py) generate the same rounds in
+calls of a token budget across versions.
 """
 
 import math
@@ -152,7 +153,8 @@ class SyncProducer:
         if self.max_resample_times is not None:
             rollouts, table, completions, dropped, resampled = self._resample(r, rollouts, table, completions, times)
         longest = max(ro.model_tokens for ro in rollouts)
-        occupancy = sum(ro.model_tokens for ro in rollouts) / (len(rollouts) * longest) if longest else None
+        single = isinstance(self.rollouts, SingleTurn)  # one engine call per round (or its resamples): its batch's occupancy
+        occupancy = sum(ro.model_tokens for ro in rollouts) / (len(rollouts) * longest) if longest and single else None
         return Round(r, rollouts, table, completions, times[0], times[1], self.sampler.state_dict(),
                      dropped_groups=dropped, resampled_completions=resampled, occupancy=occupancy)  # fmt: skip
 
