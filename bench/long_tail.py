@@ -1,16 +1,21 @@
 """Whole rounds against partial rollouts (token budgets) where completion lengths have a long tail.
 
     python bench/long_tail.py [--steps 12] [--warmup 3] [--repeats 2] [--stop-tokens 3]
+    python bench/long_tail.py --size 0.5b --steps 6 --warmup 2 --repeats 1 --configs async "async k4" "partial k4"
 
-The tail: the `small` model of `tandem init-model` (~3M parameters, random init, 259 tokens)
-with `--stop-tokens` ordinary byte tokens listed beside <|im_end|> as stop tokens in its
-generation_config. A random model's next token is close to uniform, so each token ends the
-completion with probability about (stop tokens + 1) / 259: lengths are geometric (mean ~65 with
-3), cut at max_completion_length 1,024, and a round's longest completion runs about
+The tail: a model at random init with `--stop-tokens` ordinary tokens listed beside <|im_end|>
+as stop tokens in its generation_config. A random model's next token is close to uniform, so
+each token ends the completion with probability about (stop tokens + 1) / vocabulary: lengths
+are geometric, cut at max_completion_length 1,024, and a round's longest completion runs about
 ln(completions) times its mean. The same seeds give the same lengths in every configuration.
+  tiny (default)  `tandem init-model --size tiny` (0.1M parameters, 259 tokens; 3 stop tokens:
+                  mean ~65), fp32, 8 prompts x 8 completions a round;
+  0.5b            the Qwen2.5-0.5B shape of bench/scale.py (494M parameters, 151,936 tokens;
+                  stop tokens for a mean of ~128), bf16 where the CPU computes it natively,
+                  1 prompt x 8 completions a round (8 x 1,024).
 
-A `tandem rollout` server (1 torch thread, core 1) and the trainer (core 0), 8 prompts x 8
-completions a round, configurations alternating in each repeat:
+A `tandem rollout` server (1 torch thread, core 1) and the trainer (core 0), configurations
+alternating in each repeat:
   sync            whole rounds, generated when the trainer asks
   async           whole rounds, one round ahead (max_staleness 1, async_generate's default)
   async k4        whole rounds, up to 4 rounds ahead
@@ -30,6 +35,8 @@ import tempfile
 from pathlib import Path
 
 from common import start_server  # bench/common.py
+from scale import VOCAB, write_model
+from tandem.trainer.setup import resolve_bf16
 from tandem.demo import addition_rows, write_jsonl
 
 CONFIGS = {
@@ -47,9 +54,13 @@ def pinned(core: int) -> list[str]:
 
 def make_model(tmp: Path, size: str, stop_tokens: int) -> Path:
     model = tmp / "model"
-    subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", model, "--size", size], check=True, capture_output=True)
+    if size == "0.5b":
+        write_model(model, size)
+        stop_tokens = VOCAB // 128
+    else:
+        subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", model, "--size", size], check=True, capture_output=True)
     config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = 2048  # rotary: room for a prompt and 1,024 completion tokens
+    config["max_position_embeddings"] = max(2048, config["max_position_embeddings"])  # rotary: room for a prompt and 1,024 tokens
     (model / "config.json").write_text(json.dumps(config, indent=1))
     config = json.loads((model / "generation_config.json").read_text())
     config["eos_token_id"] = [config["eos_token_id"], *range(100, 100 + stop_tokens)]  # byte tokens of letters' region, far from digits
@@ -62,8 +73,9 @@ def run(args, tmp: Path, model: Path, url: str, name: str, rep: int) -> dict:
     cmd = pinned(0) + [
         sys.executable, "-m", "tandem.cli", "train", "--model_name_or_path", model, "--dataset_name", tmp / "data.jsonl",
         "--reward_funcs", f"{tmp / 'reward.py'}:digits", "--output_dir", out, "--max_steps", args.steps, "--save_steps", "0",
-        "--num_generations", "8", "--per_device_train_batch_size", "64", "--max_completion_length", "1024",
+        "--num_generations", "8", "--per_device_train_batch_size", 8 if args.size == "0.5b" else 64, "--max_completion_length", "1024",
         "--learning_rate", "1e-5", "--disable_tqdm", "true", "--rollout_mode", "server", "--rollout_server_urls", url, *CONFIGS[name],
+        "--bf16", str(args.bf16).lower(), "--rollout_server_timeout", "600",
         *(["--max_tokens_per_round", args.budget] if name.startswith("partial") else []),
     ]  # fmt: skip
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
@@ -89,7 +101,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--stop-tokens", type=int, default=3)
     parser.add_argument("--budget", type=int, default=128, help="max_tokens_per_round of the partial runs")
-    parser.add_argument("--size", default="tiny", choices=["tiny", "small"], help="the model (tandem init-model --size)")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "small", "0.5b"], help="the model: tandem init-model's size, or 0.5b (bench/scale.py's)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -97,7 +109,8 @@ def main() -> None:
         model = make_model(tmp, args.size, args.stop_tokens)
         write_jsonl(addition_rows(0), tmp / "data.jsonl")
         (tmp / "reward.py").write_text(REWARD)
-        server, url = start_server(model, "--threads", "1", prefix=pinned(1))
+        args.bf16 = args.size == "0.5b" and resolve_bf16(True)[1] is None  # bf16 where this CPU computes it natively
+        server, url = start_server(model, "--threads", "1", "--dtype", "bfloat16" if args.bf16 else "float32", prefix=pinned(1), timeout=600)
         try:
             results: dict[str, list[dict]] = {name: [] for name in args.configs}
             for rep in range(args.repeats):
@@ -109,8 +122,9 @@ def main() -> None:
             server.terminate()
             server.wait(timeout=30)
     base = statistics.median(r["tokens_per_s"] for r in results.get("async", results[args.configs[0]]))
-    print(f"\n{args.steps} steps ({args.warmup} warm-up), 8 x 8 completions of up to 1,024 tokens, lengths geometric "
-          f"({args.stop_tokens} stop tokens + <|im_end|>); medians of {args.repeats}")  # fmt: skip
+    shape = "0.5B shape, 1 x 8" if args.size == "0.5b" else f"{args.size} model, 8 x 8"
+    print(f"\n{args.steps} steps ({args.warmup} warm-up), {shape} completions of up to 1,024 tokens ({'bf16' if args.bf16 else 'fp32'}), "
+          f"lengths geometric; medians of {args.repeats}")  # fmt: skip
     print(f"{'config':11s} {'tokens/s':>9s} {'vs async':>8s} {'s/step':>7s} {'occupancy':>9s} {'mean len':>8s} {'max len':>7s}")
     for name, rs in results.items():
         tps = statistics.median(r["tokens_per_s"] for r in rs)
