@@ -132,7 +132,7 @@ def test_partial_rollouts_keep_each_token_within_max_staleness_and_a_killed_run_
         trainer.wait(timeout=30)
     latest = out / (out / "latest").read_text().strip()
     in_flight = json.loads((latest / "in_flight_0.json").read_text())  # sequences cut short, saved with their tokens' versions
-    assert any(0 < len(ids) < 12 and finish is None for f in in_flight["flights"] for ids, finish in zip(f["ids"], f["finish"]))
+    assert any(0 < len(t["ids"]) < 12 and t["finish"] is None for f in in_flight["flights"] for t in f["seqs"])
     train(1, base_args(tiny_model, data, out, 16, *extra, "--resume_from_checkpoint", "latest"))
     resumed, resumed_c = read(out)
     assert [m["step"] for m in resumed] == list(range(1, 9))

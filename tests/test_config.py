@@ -67,7 +67,7 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--rollout_func", "agent.py:run", "--tools", "calculator"], "rollout_func"),
         (["--max_tokens_per_round", "64"], "max_tokens_per_round"),  # partial rollouts need async_generate
         (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "0"], "max_tokens_per_round"),
-        (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8", "--tools", "calculator"], "max_tokens_per_round"),
+        (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8", "--rollout_func", "agent.py:run"], "max_tokens_per_round"),
         (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8", "--dynamic_sample", "true"], "max_tokens_per_round"),
         # Values that trained nothing or never ended, and ones that failed only once the model had loaded.
         (["--learning_rate", "inf"], "learning_rate"),

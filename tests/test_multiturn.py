@@ -759,13 +759,15 @@ def test_a_colocated_run_calls_the_tool_and_shows_each_turn(tool_model, files, t
     assert "model (v1) calls calculator(" in shown and f"calculator returned: {result}" in shown
 
 
+TOOL_RESULTS = "def tool_results(completions, **kwargs):\n    return [float(sum(m['role'] == 'tool' for m in c)) for c in completions]\n"
+
+
 def test_a_lora_run_trains_only_its_adapters_on_the_model_turns_of_its_tool_calls(tool_model, files, tmp_path):
     # LoRA in the colocated engine, which generates every turn with the adapter layers. The reward
     # counts tool results, so groups differ and each step has a gradient through the model turns.
     _, data = files
     out = tmp_path / "run"
-    (tmp_path / "uses.py").write_text("def tool_results(completions, **kwargs):\n"
-                                      "    return [float(sum(m['role'] == 'tool' for m in c)) for c in completions]\n")  # fmt: skip
+    (tmp_path / "uses.py").write_text(TOOL_RESULTS)
     train(1, _args(tool_model, data, out, 16, "--max_steps", "2", "--reward_funcs", f"{tmp_path / 'uses.py'}:tool_results",
                    "--tools", "calculator", "--max_tool_calling_iterations", "1", "--use_peft", "true",
                    "--lora_target_modules", "all-linear", "--save_steps", "2", "--learning_rate", "1e-3"))  # fmt: skip
@@ -840,6 +842,28 @@ def test_a_killed_async_multi_turn_run_resumes_bitwise_from_rounds_saved_whole(t
     several = [r for r in ahead if r["turns"]["turns"] > 1]
     assert several and all(0 in r["loss_mask"] and len(r["loss_mask"]) == len(r["completion_ids"]) for r in several)
     _assert_resumes_bitwise(tool_model, data, tmp_path, extra, steps=8)
+
+
+def test_a_killed_partial_rollouts_run_with_tools_resumes_bitwise_with_turns_across_versions(tool_model, files, server, tmp_path):
+    # Partial rollouts with the calculator: a model turn continues across versions in calls of 16
+    # tokens, its tool runs when the turn ends, and the next turn goes on at the next version.
+    folder, data = files
+    (folder / "uses.py").write_text(TOOL_RESULTS)  # a reward that varies within groups: every step trains
+    extra = ["--max_steps", "6", "--save_steps", "2", "--reward_funcs", f"{folder / 'uses.py'}:tool_results", "--tools", "calculator", "--max_tool_calling_iterations",
+             "1", "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true", "--max_staleness", "3",
+             "--max_tokens_per_round", "16", "--learning_rate", "1e-4"]  # fmt: skip
+    latest = _whole_and_killed(tool_model, data, tmp_path, extra)
+    metrics, completions = _read(tmp_path / "whole")
+    for c in completions:  # each model token of round r is of a version in [r - 3, r - 1] (round 0: 0)
+        assert all(max(0, c["round"] - 3) <= v <= max(0, c["round"] - 1) for v, _ in c["token_versions"]), (c["round"], c["token_versions"])
+        assert c["turns"]["versions"][0] == c["policy_version"] == c["token_versions"][0][0]
+    called = [c for c in completions if c["turns"]["tool_calls"]]
+    assert called and all(c["turns"]["messages"][1]["role"] == "tool" for c in called)
+    assert any(len(c["token_versions"]) > 1 for c in called), "a trajectory with a tool call spans versions"
+    assert all(m["staleness/max"] <= 3 and m["tools/calculator/call_frequency"] > 0 and m["grad_norm"] > 0 for m in metrics)
+    in_flight = json.loads((latest / "in_flight_0.json").read_text())  # trajectories saved mid-way, with their turns
+    assert any(t["finish"] is None and t["ids"] for f in in_flight["flights"] for t in f["seqs"])
+    _assert_resumes_bitwise(tool_model, data, tmp_path, extra, steps=6)
 
 
 # Rounds as an agent written against OpenAI's API (agent_func): three turns, "Once more." between

@@ -19,7 +19,7 @@ import json
 import sys
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Protocol
 
 from tandem.rollout.sampling import mix64
@@ -54,6 +54,7 @@ class Trajectory:
     version: int  # the oldest policy version of its turns
     prompt_ids: list[int] | None = None  # a new prompt (an environment's first observation), else None
     info: dict | None = None  # turns: messages, tool calls, versions, an environment's reward (JSON)
+    token_versions: list[list[int]] | None = None  # partial rollouts: the model tokens' versions, [version, count] runs
 
 
 class Rollouts(Protocol):
@@ -64,12 +65,50 @@ class Rollouts(Protocol):
     def close(self) -> None: ...
 
 
+class Stepwise(Protocol):
+    """Partial rollouts (trainer/partial.py): trajectories advanced one engine call at a time,
+    each call adding at most a token budget to the model's turn in progress."""
+
+    def begin(self, prompt: Prompt, seed: int) -> "_Live": ...
+
+    def take(self, t: "_Live", out: Completion) -> str | None:
+        """Append one call's answer; the text of a model turn that ended and may call tools, else None."""
+        ...
+
+    def respond(self, ended: list[tuple["_Live", str]]) -> None:
+        """Run the tools the ended turns call, insert their results: the next turns start after them."""
+        ...
+
+    def finish(self, t: "_Live") -> Trajectory: ...
+
+    def restore(self, saved: dict) -> "_Live": ...
+
+
 class SingleTurn:
     """One completion per prompt, as the engine returns it."""
+
+    def __init__(self, max_completion_length: int = 0):
+        self.max_length = max_completion_length  # of partial rollouts' calls
 
     def generate(self, engine, prompts, params, seeds, min_version):
         outs = engine.generate([p.ids for p in prompts], params, seeds, min_version=min_version)
         return [Trajectory(o.token_ids, o.logprobs, None, o.finish_reason, o.version) for o in outs]
+
+    def begin(self, prompt: Prompt, seed: int) -> "_Live":
+        return _Live(prompt.ids, [], seed)
+
+    def take(self, t: "_Live", out: Completion) -> None:
+        if take_chunk(t, out, self.max_length) and t.finish is None:
+            t.finish = "stop"
+
+    def respond(self, ended: list) -> None:
+        pass
+
+    def finish(self, t: "_Live") -> Trajectory:
+        return Trajectory(t.ids, t.logprobs, None, t.finish, min((v for v, _ in t.runs), default=t.turn_version), token_versions=t.runs)
+
+    def restore(self, saved: dict) -> "_Live":
+        return _Live.restore(saved, {})
 
     def close(self) -> None:
         pass
@@ -156,6 +195,45 @@ class _Live:
     shown: list = field(default_factory=list)  # the messages after the prompt, as reward functions get them
     rewrites: int = 0
     new_prompt: bool = False
+    # Partial rollouts: where the model's turn in progress began in ids and the version of its
+    # first token, the engine calls so far, and the model's tokens' versions as [version, count] runs.
+    turn_start: int = 0
+    turn_version: int = 0
+    chunks: int = 0
+    runs: list = field(default_factory=list)
+
+    def saved(self) -> dict:
+        """What a checkpoint keeps of it (JSON): everything but its tools, which are the run's."""
+        return copy.deepcopy({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("tools", "env")})
+
+    @classmethod
+    def restore(cls, saved: dict, tools: dict) -> "_Live":
+        return cls(**saved, tools=tools)
+
+
+def take_chunk(t: _Live, out: Completion, max_length: int) -> bool:
+    """Partial rollouts: append one engine call's tokens to the model's turn in progress, none
+    past max_length; whether the turn ended (its stop token, an error, max_length: then finish
+    says which but a stop)."""
+    room = max_length - len(t.ids)
+    n = min(len(out.token_ids), room)
+    if len(t.ids) == t.turn_start:
+        t.turn_version = out.version
+    t.ids += out.token_ids[:n]
+    t.logprobs += out.logprobs[:n]
+    t.mask += [1] * n
+    if t.runs and t.runs[-1][0] == out.version:
+        t.runs[-1][1] += n
+    elif n:
+        t.runs.append([out.version, n])
+    t.chunks += 1
+    if out.finish_reason == "error":
+        t.finish = "error"
+    elif out.finish_reason == "stop" and len(out.token_ids) <= room:
+        return True
+    elif len(t.ids) >= max_length:
+        t.finish = "length"
+    return t.finish is not None
 
 
 class MultiTurn:
@@ -217,6 +295,32 @@ class MultiTurn:
             self._respond(asking, last=turn == self.max_iterations)
         return [self._finish(t) for t in trajs]
 
+    # ---- partial rollouts (Stepwise): a turn may span engine calls, and versions
+
+    def begin(self, prompt: Prompt, seed: int) -> _Live:
+        return self._start(prompt, seed)
+
+    def take(self, t: _Live, out: Completion) -> str | None:
+        if not take_chunk(t, out, self.max_length):
+            return None
+        text = self._turn_message(t, t.ids[t.turn_start :], t.turn_version)
+        if t.finish is None and len(t.ids) >= self.max_length:  # ended on its stop token exactly at max_completion_length
+            t.finish = "stop"
+        return None if t.finish else text
+
+    def respond(self, ended: list[tuple[_Live, str]]) -> None:
+        last = [len(t.versions) > self.max_iterations for t, _ in ended]  # its last turn: no tool runs after it
+        self._respond([e for e, x in zip(ended, last) if not x], last=False)
+        self._respond([e for e, x in zip(ended, last) if x], last=True)
+        for t, _ in ended:
+            t.turn_start = len(t.ids)
+
+    def finish(self, t: _Live) -> Trajectory:
+        return replace(self._finish(t), token_versions=t.runs)
+
+    def restore(self, saved: dict) -> _Live:
+        return _Live.restore(saved, self.tools)
+
     def _all_finished(self, live: list) -> bool:
         """Whether the round's turns are over: nothing live here, and with `all_done` on any process."""
         return self.all_done(not live) if self.all_done is not None else not live
@@ -241,11 +345,7 @@ class MultiTurn:
         t.ids += ids
         t.logprobs += logprobs
         t.mask += [1] * len(ids)
-        t.versions.append(out.version)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        message = {"role": "assistant", "content": text}
-        t.messages.append(message)
-        t.shown.append(dict(message))
+        text = self._turn_message(t, ids, out.version)
         # Truncated only where the last token is not a stop token (TRL's rule, as in one turn): a
         # turn that ends on its stop token exactly at max_completion_length is a finished answer.
         if out.finish_reason == "error":
@@ -254,6 +354,15 @@ class MultiTurn:
             t.finish = "length"
         elif len(t.ids) >= self.max_length:
             t.finish = "stop"
+        return text
+
+    def _turn_message(self, t: _Live, ids: list[int], version: int) -> str:
+        """The model's turn of tokens `ids` as a message of the conversation; its text (for parsing only)."""
+        t.versions.append(version)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        message = {"role": "assistant", "content": text}
+        t.messages.append(message)
+        t.shown.append(dict(message))
         return text
 
     def _respond(self, asking: list[tuple[_Live, str]], last: bool) -> None:

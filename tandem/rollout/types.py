@@ -67,8 +67,9 @@ class Rollout:
     # template glue), which are out of the loss, the KL and the entropy. None: all the model's.
     loss_mask: list[int] | None = None
     turns: dict | None = None  # multi-turn: messages, tool calls, versions of its turns (multiturn.Trajectory.info)
-    # Partial rollouts: the version of each completion token, run-length coded as [version, count]
-    # pairs in order (a sequence carried across weight updates). None: every token is of `version`.
+    # Partial rollouts: the version of each of the model's tokens (loss mask 1), run-length coded
+    # as [version, count] pairs in order (a sequence carried across weight updates). None: every
+    # token is of `version` (of a multi-turn one, of its turn: turns["versions"]).
     token_versions: list[list[int]] | None = None
 
     @property

@@ -382,7 +382,7 @@ def _turns(config: TrainConfig, tokenizer, all_done) -> tuple[Rollouts, dict, li
     `all_done`: a sharded colocated engine's lockstep across processes (MultiTurn's)."""
     template_kwargs = dict(config.chat_template_kwargs or {})
     if not config.multi_turn():
-        return SingleTurn(), template_kwargs, None
+        return SingleTurn(config.max_completion_length), template_kwargs, None
     if config.agent_func:
         return _agents(config, tokenizer, template_kwargs), template_kwargs, []
     if config.rollout_func:

@@ -306,8 +306,9 @@ class TrainConfig:
         need(self.max_tokens_per_round >= 1, "max_tokens_per_round", "must be >= 1, or none to generate whole rounds")
         need(self.async_generate, "max_tokens_per_round", "needs async_generate true and max_staleness >= 2: sequences carry over to later "
              "versions only while a round waits to be trained (with max_staleness 0 every token must be of the version that trains it)")  # fmt: skip
-        need(not self.multi_turn(), "max_tokens_per_round", "partial rollouts of multi-turn trajectories (tools, environment_factory, "
-             "rollout_func, agent_func) are not built yet: drop max_tokens_per_round")  # fmt: skip
+        need(not (self.environment_factory or self.rollout_func or self.agent_func), "max_tokens_per_round",
+             "carries trajectories across versions and into checkpoints, which an environment's, a rollout_func's or an agent's own "
+             "state cannot follow: with those, drop max_tokens_per_round (tools work with it)")  # fmt: skip
         need(not self.dynamic_sample, "max_tokens_per_round", "dynamic_sample with partial rollouts is not built yet: drop one of them")
 
     def _validate_tools(self, need) -> None:

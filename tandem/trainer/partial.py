@@ -12,10 +12,12 @@ Where a sequence changes weights is fixed by token counts, never by timing:
   it is due at version due(r) = max(0, r - 1) (r itself when k = 0): the trainer trains it after
     version r is live, so it must be finished by the end of that version's calls;
   at version v, one call decodes at most B more tokens of every admitted unfinished sequence
-    (its chunk-th call draws from seed turn_seed(seed, chunk)); then one more call finishes the
-    sequences of the rounds due at v that are still unfinished (those longer than their
-    versions' budgets: none when k * B >= max_completion_length), alone;
+    (its chunk-th call draws from seed turn_seed(seed, chunk)); then calls without a budget
+    finish, alone, the sequences of the rounds due at v that are still unfinished (those longer
+    than their versions' budgets: none when k * B >= max_completion_length);
   a round is scored and handed over when it is due.
+With tools (multi-turn), a model turn may span calls and versions; when it ends its tools run and
+the results are inserted, and the next turn starts in the next call (Stepwise in multiturn.py).
 So every token trained at round r is of a version in [r - k, r - 1], each sequence's chunks and
 versions depend only on the seed and its own length, and N processes (each with its own groups)
 make the same sequences as one. The trainer pushes version v + 1 only after version v's calls
@@ -27,30 +29,32 @@ rounds due by then; a resumed run goes on from them, bitwise.
 
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 
-from tandem.rollout.multiturn import turn_seed
-from tandem.rollout.types import Rollout
-from tandem.trainer.producer import AsyncProducer, Round, RoundTimeout, completion_seed
+from tandem.rollout.multiturn import Stepwise, _Live, turn_seed
+from tandem.trainer.producer import AsyncProducer, Round, RoundTimeout, completion_seed, table_prompts, to_rollout
 
 
 @dataclass
 class Flight:
-    """One admitted round's sequences while they are generated (JSON-ready, for checkpoints)."""
+    """One admitted round's trajectories while they are generated."""
 
     index: int
     indices: list[int]  # dataset rows of its groups
     slots: list[int]
-    seeds: list[int]  # one per sequence
-    ids: list[list[int]]  # completion tokens so far
-    logprobs: list[list[float]]
-    versions: list[list[list[int]]]  # per sequence, [version, count] runs
-    chunks: list[int]  # engine calls each sequence took part in
-    finish: list[str | None]  # None while it goes on
+    seqs: list[_Live]  # one per completion: its tokens, log-probs, versions, seed and turns so far
     sampler_state: dict  # the sampler right after this round took its prompts
     generate_seconds: float = 0.0
     occupancy_tokens: int = 0  # of the calls at its due version: tokens kept
     occupancy_slots: int = 0  # and sequences x decode steps
+
+    def saved(self) -> dict:
+        """JSON, for a checkpoint."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "seqs"}, "seqs": [t.saved() for t in self.seqs]}
+
+    @classmethod
+    def restore(cls, saved: dict, turns: Stepwise) -> "Flight":
+        return cls(**{**saved, "seqs": [turns.restore(t) for t in saved["seqs"]]})
 
 
 class PartialProducer(AsyncProducer):
@@ -83,7 +87,7 @@ class PartialProducer(AsyncProducer):
         for rnd in ready:
             self._future(rnd.index).set_result(rnd)
         if carried is not None:
-            self._flights = {f["index"]: Flight(**f) for f in carried["flights"]}
+            self._flights = {f["index"]: Flight.restore(f, self.rollouts) for f in carried["flights"]}
             self._next_admit = carried["next_admit"]
             self._first_version = carried["version"] + 1
             self._saved[carried["version"]] = carried  # a checkpoint before the next pass keeps it again
@@ -158,10 +162,13 @@ class PartialProducer(AsyncProducer):
             self._admit(self._next_admit)
             self._next_admit += 1
         due = [r for r in sorted(self._flights) if self.due(r) == v]
-        owner = self._flights[due[0]] if due else next(iter(self._flights.values()))  # the call's time and occupancy go to the round due
-        self._call(v, [(f, k) for f in self._flights.values() for k in range(len(f.seeds)) if f.finish[k] is None], self.budget, owner)
-        self._call(v, [(self._flights[r], k) for r in due for k in range(len(self._flights[r].seeds)) if self._flights[r].finish[k] is None],
-                   self.params.max_tokens, owner)  # fmt: skip
+        owner = self._flights[due[0]] if due else next(iter(self._flights.values()))  # the calls' time and occupancy go to the round due
+        self._call(v, [t for f in self._flights.values() for t in f.seqs if t.finish is None], self.budget, owner)
+        ending = [t for r in due for t in self._flights[r].seqs]
+        for _ in range(self.params.max_tokens + 1):  # each call ends a turn of every one, or finishes it
+            if all(t.finish is not None for t in ending):
+                break
+            self._call(v, [t for t in ending if t.finish is None], self.params.max_tokens, owner)
         for r in due:
             flight = self._flights.pop(r)
             self._future(r).set_result(self._finish(flight))
@@ -170,7 +177,7 @@ class PartialProducer(AsyncProducer):
                 "version": v,
                 "next_admit": self._next_admit,
                 "sampler": self.sampler.state_dict(),
-                "flights": [asdict(f) for f in self._flights.values()],
+                "flights": [f.saved() for f in self._flights.values()],
             }
             self._saved = {u: s for u, s in self._saved.items() if u >= v - 2}
             self._versions_done = v
@@ -179,55 +186,33 @@ class PartialProducer(AsyncProducer):
     def _admit(self, r: int) -> None:
         indices, slots = self.sampler.next_round()
         G = self.num_generations
-        n = len(indices) * G
-        seeds = [completion_seed(self.seed, r, s, g) for s in slots for g in range(G)]
-        self._flights[r] = Flight(r, indices, slots, seeds, [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)],
-                                  [0] * n, [None] * n, self.sampler.state_dict())  # fmt: skip
+        prompts = table_prompts(self.table, [i for i in indices for _ in range(G)])
+        seqs = [self.rollouts.begin(p, completion_seed(self.seed, r, slots[k // G], k % G)) for k, p in enumerate(prompts)]
+        self._flights[r] = Flight(r, indices, slots, seqs, self.sampler.state_dict())
 
-    def _call(self, v: int, live: list[tuple[Flight, int]], budget: int, owner: Flight) -> None:
-        """One engine call: each of `live` (flight, sequence) decodes at most `budget` more tokens, none past max_tokens."""
+    def _call(self, v: int, live: list[_Live], budget: int, owner: Flight) -> None:
+        """One engine call: each of `live` decodes at most `budget` more tokens of its turn in
+        progress, none past max_tokens; the turns that end run their tools."""
         if not live:
             return
-        G, limit = self.num_generations, self.params.max_tokens
-        room = [limit - len(f.ids[k]) for f, k in live]
-        params = replace(self.params, max_tokens=min(budget, max(room)))
-        prompts = [self.table.prompt_ids[f.indices[k // G]] + f.ids[k] for f, k in live]
-        t = time.perf_counter()
-        outs = self.engine.generate(prompts, params, [turn_seed(f.seeds[k], f.chunks[k]) for f, k in live], min_version=v)
-        seconds = time.perf_counter() - t
-        kept = 0
-        for (f, k), out, space in zip(live, outs, room):
-            take = min(len(out.token_ids), space)
-            f.ids[k] += out.token_ids[:take]
-            f.logprobs[k] += out.logprobs[:take]
-            runs = f.versions[k]
-            if runs and runs[-1][0] == out.version:
-                runs[-1][1] += take
-            elif take:
-                runs.append([out.version, take])
-            f.chunks[k] += 1
-            kept += take
-            if out.finish_reason == "error" or (out.finish_reason == "stop" and len(out.token_ids) <= space):
-                f.finish[k] = out.finish_reason
-            elif len(f.ids[k]) >= limit:
-                f.finish[k] = "length"
-        owner.generate_seconds += seconds
-        owner.occupancy_tokens += kept
+        limit = self.params.max_tokens
+        params = replace(self.params, max_tokens=min(budget, max(limit - len(t.ids) for t in live)))
+        before = sum(len(t.ids) for t in live)
+        t0 = time.perf_counter()
+        outs = self.engine.generate([t.prompt_ids + t.ids for t in live], params, [turn_seed(t.seed, t.chunks) for t in live], min_version=v)
+        owner.generate_seconds += time.perf_counter() - t0
+        ended = [(t, text) for t, out in zip(live, outs) if (text := self.rollouts.take(t, out)) is not None]
+        owner.occupancy_tokens += sum(len(t.ids) for t in live) - before
         owner.occupancy_slots += len(live) * max(len(o.token_ids) for o in outs)
+        self.rollouts.respond(ended)
 
     def _finish(self, f: Flight) -> Round:
         """The round as the trainer gets it: its groups in the sampler's order, scored."""
         G = self.num_generations
         stride = self.sampler.prompts_per_rank * self.sampler.world_size
-        rollouts = []
-        for k in range(len(f.seeds)):
-            if f.finish[k] is None:
-                raise RuntimeError(f"round {f.index}: sequence {k} is unfinished at its due version (a bug in the pass schedule)")
-            versions = f.versions[k] or [[self.due(f.index), 0]]
-            rollouts.append(Rollout(prompt_index=f.indices[k // G], group_id=f.index * stride + f.slots[k // G],
-                                    prompt_ids=self.table.prompt_ids[f.indices[k // G]], completion_ids=f.ids[k],
-                                    behav_logprobs=f.logprobs[k], finish_reason=f.finish[k], version=min(v for v, _ in versions),
-                                    token_versions=versions))  # fmt: skip
+        prompts = table_prompts(self.table, [i for i in f.indices for _ in range(G)])
+        rollouts = [to_rollout(self.rollouts.finish(t), p, f.indices[k // G], f.index * stride + f.slots[k // G])
+                    for k, (t, p) in enumerate(zip(f.seqs, prompts))]  # fmt: skip
         t = time.perf_counter()
         table, completions = self.score(rollouts)
         occupancy = f.occupancy_tokens / f.occupancy_slots if f.occupancy_slots else None
