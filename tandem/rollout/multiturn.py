@@ -69,19 +69,19 @@ class Stepwise(Protocol):
     """Partial rollouts (trainer/partial.py): trajectories advanced one engine call at a time,
     each call adding at most a token budget to the model's turn in progress."""
 
-    def begin(self, prompt: Prompt, seed: int) -> "_Live": ...
+    def begin(self, prompt: Prompt, seed: int) -> "Live": ...
 
-    def take(self, t: "_Live", out: Completion) -> str | None:
+    def take(self, t: "Live", out: Completion) -> str | None:
         """Append one call's answer; the text of a model turn that ended and may call tools, else None."""
         ...
 
-    def respond(self, ended: list[tuple["_Live", str]]) -> None:
+    def respond(self, ended: list[tuple["Live", str]]) -> None:
         """Run the tools the ended turns call, insert their results: the next turns start after them."""
         ...
 
-    def finish(self, t: "_Live") -> Trajectory: ...
+    def finish(self, t: "Live") -> Trajectory: ...
 
-    def restore(self, saved: dict) -> "_Live": ...
+    def restore(self, saved: dict) -> "Live": ...
 
 
 class SingleTurn:
@@ -94,21 +94,21 @@ class SingleTurn:
         outs = engine.generate([p.ids for p in prompts], params, seeds, min_version=min_version)
         return [Trajectory(o.token_ids, o.logprobs, None, o.finish_reason, o.version) for o in outs]
 
-    def begin(self, prompt: Prompt, seed: int) -> "_Live":
-        return _Live(prompt.ids, [], seed)
+    def begin(self, prompt: Prompt, seed: int) -> "Live":
+        return Live(prompt.ids, [], seed)
 
-    def take(self, t: "_Live", out: Completion) -> None:
+    def take(self, t: "Live", out: Completion) -> None:
         if take_chunk(t, out, self.max_length) and t.finish is None:
             t.finish = "stop"
 
     def respond(self, ended: list) -> None:
         pass
 
-    def finish(self, t: "_Live") -> Trajectory:
+    def finish(self, t: "Live") -> Trajectory:
         return Trajectory(t.ids, t.logprobs, None, t.finish, min((v for v, _ in t.runs), default=t.turn_version), token_versions=t.runs)
 
-    def restore(self, saved: dict) -> "_Live":
-        return _Live.restore(saved, {})
+    def restore(self, saved: dict) -> "Live":
+        return Live.restore(saved, {})
 
     def close(self) -> None:
         pass
@@ -178,7 +178,7 @@ def encode_conversation(tokenizer, glue: TemplateGlue, messages: list) -> tuple[
 
 
 @dataclass
-class _Live:
+class Live:
     """One trajectory while its turns are generated."""
 
     prompt_ids: list[int]
@@ -207,11 +207,11 @@ class _Live:
         return copy.deepcopy({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("tools", "env")})
 
     @classmethod
-    def restore(cls, saved: dict, tools: dict) -> "_Live":
+    def restore(cls, saved: dict, tools: dict) -> "Live":
         return cls(**saved, tools=tools)
 
 
-def take_chunk(t: _Live, out: Completion, max_length: int) -> bool:
+def take_chunk(t: Live, out: Completion, max_length: int) -> bool:
     """Partial rollouts: append one engine call's tokens to the model's turn in progress, none
     past max_length; whether the turn ended (its stop token, an error, max_length: then finish
     says which but a stop)."""
@@ -297,10 +297,10 @@ class MultiTurn:
 
     # ---- partial rollouts (Stepwise): a turn may span engine calls, and versions
 
-    def begin(self, prompt: Prompt, seed: int) -> _Live:
+    def begin(self, prompt: Prompt, seed: int) -> Live:
         return self._start(prompt, seed)
 
-    def take(self, t: _Live, out: Completion) -> str | None:
+    def take(self, t: Live, out: Completion) -> str | None:
         if not take_chunk(t, out, self.max_length):
             return None
         text = self._turn_message(t, t.ids[t.turn_start :], t.turn_version)
@@ -308,26 +308,26 @@ class MultiTurn:
             t.finish = "stop"
         return None if t.finish else text
 
-    def respond(self, ended: list[tuple[_Live, str]]) -> None:
+    def respond(self, ended: list[tuple[Live, str]]) -> None:
         last = [len(t.versions) > self.max_iterations for t, _ in ended]  # its last turn: no tool runs after it
         self._respond([e for e, x in zip(ended, last) if not x], last=False)
         self._respond([e for e, x in zip(ended, last) if x], last=True)
         for t, _ in ended:
             t.turn_start = len(t.ids)
 
-    def finish(self, t: _Live) -> Trajectory:
+    def finish(self, t: Live) -> Trajectory:
         return replace(self._finish(t), token_versions=t.runs)
 
-    def restore(self, saved: dict) -> _Live:
-        return _Live.restore(saved, self.tools)
+    def restore(self, saved: dict) -> Live:
+        return Live.restore(saved, self.tools)
 
     def _all_finished(self, live: list) -> bool:
         """Whether the round's turns are over: nothing live here, and with `all_done` on any process."""
         return self.all_done(not live) if self.all_done is not None else not live
 
-    def _start(self, prompt: Prompt, seed: int) -> _Live:
+    def _start(self, prompt: Prompt, seed: int) -> Live:
         messages = copy.deepcopy(prompt.messages)
-        t = _Live(prompt.ids, messages, seed, self.tools)
+        t = Live(prompt.ids, messages, seed, self.tools)
         if self.environment_factory is not None:
             t.env = _environment_call(self.environment_factory, "its constructor")
             t.tools = {**self.tools, **{tool.name: replace(tool, fn=getattr(t.env, tool.name)) for tool in self.env_tools}}
@@ -338,7 +338,7 @@ class MultiTurn:
                 t.new_prompt = True
         return t
 
-    def _model_turn(self, t: _Live, out: Completion) -> str:
+    def _model_turn(self, t: Live, out: Completion) -> str:
         """Append the engine's tokens; returns their text (for parsing only)."""
         room = self.max_length - len(t.ids)
         ids, logprobs = out.token_ids[:room], out.logprobs[:room]
@@ -356,7 +356,7 @@ class MultiTurn:
             t.finish = "stop"
         return text
 
-    def _turn_message(self, t: _Live, ids: list[int], version: int) -> str:
+    def _turn_message(self, t: Live, ids: list[int], version: int) -> str:
         """The model's turn of tokens `ids` as a message of the conversation; its text (for parsing only)."""
         t.versions.append(version)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -365,7 +365,7 @@ class MultiTurn:
         t.shown.append(dict(message))
         return text
 
-    def _respond(self, asking: list[tuple[_Live, str]], last: bool) -> None:
+    def _respond(self, asking: list[tuple[Live, str]], last: bool) -> None:
         """Run the tools the turns call (or the environments' step), then insert the results."""
         calls, owners, stepping = [], [], []
         for t, text in asking:
@@ -392,7 +392,7 @@ class MultiTurn:
             else:
                 self._insert(t, [{"role": "user", "content": str(observation)}])
         results = self.runner.run(calls)
-        new: dict[int, tuple[_Live, list]] = {}
+        new: dict[int, tuple[Live, list]] = {}
         for t, call, result in zip(owners, calls, results):
             t.calls.append({"name": result.name, "ok": result.ok, "seconds": result.seconds})
             content = self._cap(result.content, self.max_length - len(t.ids))
@@ -414,7 +414,7 @@ class MultiTurn:
             return self.tokenizer.decode(ids[: self.max_response]) + " [cut at max_tool_response_tokens]"
         return self.tokenizer.decode(ids[:limit]) + " [cut at max_completion_length]"
 
-    def _insert(self, t: _Live, messages: list) -> None:
+    def _insert(self, t: Live, messages: list) -> None:
         turn_text = self.tokenizer.decode(t.ids[len(t.ids) - _last_turn_length(t) :], skip_special_tokens=False)
         ids = self.glue.inserted(turn_text, messages)
         t.messages += messages
@@ -427,7 +427,7 @@ class MultiTurn:
         if len(ids) >= room:  # nothing left for the model's next turn
             t.finish = "length"
 
-    def _finish(self, t: _Live) -> Trajectory:
+    def _finish(self, t: Live) -> Trajectory:
         info = {
             "turns": len(t.versions),
             "messages": t.shown,
@@ -463,7 +463,7 @@ def _reward_number(value) -> float | None:
         raise TrajectoryError(f"environment_factory: get_reward returned {value!r}; return a number, or None for no opinion") from None
 
 
-def _last_turn_length(t: _Live) -> int:
+def _last_turn_length(t: Live) -> int:
     """Tokens of the model's last turn: the run of mask 1 at the end."""
     n = 0
     for m in reversed(t.mask):

@@ -4,7 +4,8 @@ A round's completions need not be generated in one engine call at one version. W
 budgets (max_tokens_per_round = B), the producer keeps the sequences of every admitted round in
 flight together: at each version, one engine call decodes at most B more tokens of every
 unfinished sequence; a sequence that is not finished continues at the next version from its
-exact tokens (re-prefilled: the engine never sees text), beside the sequences of later rounds. The short completions of later rounds fill the engine's batch while a long one of an
+exact tokens (prefilled again: the engine never sees text), beside the sequences of later
+rounds. The short completions of later rounds fill the engine's batch while a long one of an
 earlier round runs, where a whole round would decode its longest completion alone.
 
 Where a sequence changes weights is fixed by token counts, never by timing:
@@ -31,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, fields, replace
 
-from tandem.rollout.multiturn import Stepwise, _Live, turn_seed
+from tandem.rollout.multiturn import Stepwise, Live, turn_seed
 from tandem.trainer.producer import AsyncProducer, Round, RoundTimeout, completion_seed, table_prompts, to_rollout
 
 
@@ -42,7 +43,7 @@ class Flight:
     index: int
     indices: list[int]  # dataset rows of its groups
     slots: list[int]
-    seqs: list[_Live]  # one per completion: its tokens, log-probs, versions, seed and turns so far
+    seqs: list[Live]  # one per completion: its tokens, log-probs, versions, seed and turns so far
     sampler_state: dict  # the sampler right after this round took its prompts
     generate_seconds: float = 0.0
     occupancy_tokens: int = 0  # of the calls at its due version: tokens kept
@@ -190,7 +191,7 @@ class PartialProducer(AsyncProducer):
         seqs = [self.rollouts.begin(p, completion_seed(self.seed, r, slots[k // G], k % G)) for k, p in enumerate(prompts)]
         self._flights[r] = Flight(r, indices, slots, seqs, self.sampler.state_dict())
 
-    def _call(self, v: int, live: list[_Live], budget: int, owner: Flight) -> None:
+    def _call(self, v: int, live: list[Live], budget: int, owner: Flight) -> None:
         """One engine call: each of `live` decodes at most `budget` more tokens of its turn in
         progress, none past max_tokens; the turns that end run their tools."""
         if not live:
