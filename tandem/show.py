@@ -31,7 +31,8 @@ def _versions(line: dict) -> str:
 
 def table(lines: list[dict], step: int | None = None, width: int | None = None) -> str:
     """The completions of `step` (default: the last step logged), one row each: policy version
-    (each token's, of a partial rollout), advantage, each reward, finish reason, prompt and completion (cut to fit `width`)."""
+    (each token's, of a partial rollout), advantage, each reward, finish reason, prompt and
+    completion (cut to fit `width`)."""
     if not lines:
         return "no completions logged yet"
     steps = sorted({line["step"] for line in lines})

@@ -258,7 +258,8 @@ class TrainConfig:
         if self.reward_timeout is None:
             return None
         calls = 1 + (self.max_resample_times if self.dynamic_sample else 0)
-        turns = 1 + self.tool_turns() if self.multi_turn() else (2 if self.max_tokens_per_round else 1)  # partial rollouts: a version's call, then its due round's finishing one
+        turns = 1 + self.tool_turns() if self.multi_turn() else 1
+        turns += 1 if self.max_tokens_per_round else 0  # partial rollouts: a version's call, before its due round's finishing ones
         generate = turns * (self.rollout_server_timeout + self.rollout_request_timeout) + (turns - 1) * self.tool_timeout
         if self.agent_func:  # an episode is cut at agent_timeout, whatever its turns
             generate = self.agent_timeout
