@@ -248,6 +248,18 @@ def wait_for_step(out: Path, step: int, proc: subprocess.Popen, limit: float = 1
         time.sleep(0.05)
 
 
+def killed_past_step(args: list, out: Path, step: int, procs: int = 1) -> Path:
+    """`tandem train args` (writing to `out`) SIGKILLed, with its whole process group (torchrun and
+    its workers), once it logged `step`; returns its latest checkpoint."""
+    trainer = subprocess.Popen(command(procs, args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
+    try:
+        wait_for_step(out, step, trainer)
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+    return out / (out / "latest").read_text().strip()
+
+
 def kill_server_mid_run(server: "Server", trainer: subprocess.Popen, out: Path, step: int, timeout: float) -> tuple[str, float]:
     """SIGKILL the server once the run logged `step`; returns the trainer's stderr and the
     seconds from the kill to the trainer's exit."""

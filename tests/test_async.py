@@ -10,7 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ENV, Server, cli_here, command, kill_server_mid_run, same_collectives, train, wait_for_step
+from conftest import ENV, Server, cli_here, command, kill_server_mid_run, killed_past_step, same_collectives, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.trainer import checkpoint
 
@@ -123,14 +123,7 @@ def test_partial_rollouts_keep_each_token_within_max_staleness_and_a_killed_run_
     # again) has the log-probs the trainer recomputes, to the last bits.
     assert metrics[0]["kl_behav_proximal"] < 1e-9
     out = tmp_path / "killed"
-    trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 16, *extra)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env=ENV, start_new_session=True)  # fmt: skip
-    try:
-        wait_for_step(out, 3, trainer)
-    finally:
-        os.killpg(trainer.pid, signal.SIGKILL)
-        trainer.wait(timeout=30)
-    latest = out / (out / "latest").read_text().strip()
+    latest = killed_past_step(base_args(tiny_model, data, out, 16, *extra), out, 3)
     in_flight = json.loads((latest / "in_flight_0.json").read_text())  # sequences cut short, saved with their tokens' versions
     assert any(0 < len(t["ids"]) < 12 and t["finish"] is None for f in in_flight["flights"] for t in f["seqs"])
     train(1, base_args(tiny_model, data, out, 16, *extra, "--resume_from_checkpoint", "latest"))

@@ -1,9 +1,7 @@
 """LoRA (use_peft) through the real `tandem` command: every mode, two processes, exact resume,
 the server merging pushed adapters, the merged export, and bad options."""
 
-import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
@@ -14,7 +12,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import cli_here, restart_server_mid_run, wait_for_step
+from conftest import cli_here, killed_past_step, restart_server_mid_run
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.client import RolloutClient
 from tandem.engines.engine import TransformersEngine, eos_token_ids
@@ -95,14 +93,7 @@ def test_sigkill_then_resume_with_lora_gives_bitwise_equal_adapters(tiny_model, 
                   "--max_staleness", "2", "--max_tokens_per_round", "2"]  # fmt: skip
     train(1, base_args(tiny_model, data, tmp_path / "whole", 32, *extra))
     out = tmp_path / "killed"
-    trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 32, *extra)), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)  # fmt: skip
-    try:
-        wait_for_step(out, 4, trainer)
-    finally:
-        os.killpg(trainer.pid, signal.SIGKILL)
-        trainer.wait(timeout=30)
-    assert (out / "latest").read_text().strip() in ("checkpoint-3", "checkpoint-6")
+    assert killed_past_step(base_args(tiny_model, data, out, 32, *extra), out, 4).name in ("checkpoint-3", "checkpoint-6")
     train(1, base_args(tiny_model, data, out, 32, *extra, "--resume_from_checkpoint", "latest"))
     whole, resumed = adapters(tmp_path / "whole", 9), adapters(out, 9)
     assert whole.keys() == resumed.keys() and all((whole[k] == resumed[k]).all() for k in whole), "adapters must be bitwise equal"

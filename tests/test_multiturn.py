@@ -8,8 +8,6 @@ and test_async.py (tools in colocated, server and async runs) and the vLLM suite
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import threading
 import time
@@ -20,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ENV, cli_here, command, same_collectives, train, wait_for_step
+from conftest import ENV, cli_here, command, killed_past_step, same_collectives, train
 from tandem.demo import addition_rows, write_jsonl
 from tandem.init_model import CHAT_TEMPLATE, build_tokenizer, save, warmup_sft
 from tandem.rollout.multiturn import MultiTurn, Prompt, RolloutFunction, TemplateGlue, TrajectoryError, encode_conversation, turn_seed
@@ -809,14 +807,7 @@ def _whole_and_killed(tool_model, data, tmp_path, extra: list) -> Path:
     """The run whole (tmp_path/whole), and again (tmp_path/killed) killed past step 3: its latest checkpoint."""
     train(1, _args(tool_model, data, tmp_path / "whole", 16, *extra))
     out = tmp_path / "killed"
-    trainer = subprocess.Popen(command(1, _args(tool_model, data, out, 16, *extra)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env=ENV, start_new_session=True)  # fmt: skip
-    try:
-        wait_for_step(out, 3, trainer)
-    finally:
-        os.killpg(trainer.pid, signal.SIGKILL)
-        trainer.wait(timeout=30)
-    return out / (out / "latest").read_text().strip()
+    return killed_past_step(_args(tool_model, data, out, 16, *extra), out, 3)
 
 
 def _assert_resumes_bitwise(tool_model, data, tmp_path, extra: list, steps: int) -> None:

@@ -1,13 +1,11 @@
 """Exact resume after SIGKILL, and surviving a rollout-server restart, with real processes."""
 
-import os
-import signal
 import subprocess
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import Server, cli_here, kill_server_mid_run, restart_server_mid_run, train, wait_for_step
+from conftest import Server, cli_here, kill_server_mid_run, killed_past_step, restart_server_mid_run, train
 from tandem.demo import addition_rows, write_jsonl
 from test_async import DIGITS, ENV, base_args, command, read
 
@@ -31,16 +29,10 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_model, data, serve
     train(procs, base_args(tiny_model, data, tmp_path / "whole", batch, *extra))
 
     out = tmp_path / "killed"
-    trainer = subprocess.Popen(command(procs, base_args(tiny_model, data, out, batch, *extra)), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)  # fmt: skip
-    try:
-        wait_for_step(out, 5, trainer)
-    finally:
-        os.killpg(trainer.pid, signal.SIGKILL)  # the whole process group: torchrun and its workers
-        trainer.wait(timeout=30)
+    latest = killed_past_step(base_args(tiny_model, data, out, batch, *extra), out, 5, procs)
     # The kill lands a few steps after step 5, so after checkpoint 3 or 6 (or 9 on a slow kill),
     # always before the end: the resumed run has steps left to redo.
-    assert (out / "latest").read_text().strip() in ("checkpoint-3", "checkpoint-6", "checkpoint-9")
+    assert latest.name in ("checkpoint-3", "checkpoint-6", "checkpoint-9")
     # the same server, left running, takes the resumed trainer's weights and version
     train(procs, base_args(tiny_model, data, out, batch, *extra, "--resume_from_checkpoint", "latest"))
     whole, resumed = final_weights(tmp_path / "whole", 12), final_weights(out, 12)

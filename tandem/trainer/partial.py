@@ -28,7 +28,6 @@ A checkpoint holds the sequences in flight after the last version's calls (carri
 rounds due by then; a resumed run goes on from them, bitwise.
 """
 
-import threading
 import time
 from dataclasses import dataclass, fields, replace
 
