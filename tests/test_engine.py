@@ -160,6 +160,30 @@ def test_large_linears_decode_through_onednn_to_the_same_tokens(engine, monkeypa
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="the CPU has no native bf16: bf16 matmuls stay with F.linear")
+@pytest.mark.parametrize("mode", ["bf16", "autocast"])
+def test_packed_bf16_linears_decode_as_unpacked_ones(tiny_model, monkeypatch, mode):
+    # bf16 weights (a rollout server's --dtype bfloat16) and fp32 ones under bf16 autocast (a
+    # colocated --bf16 run): packed for oneDNN in bf16, they decode the tokens F.linear does.
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16 if mode == "bf16" else torch.float32)
+    eng = TransformersEngine(model, [tok.eos_token_id], tok.pad_token_id)
+    params = SamplingParams(max_tokens=16, temperature=0.8)
+    prompts, seeds = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3, list(range(6))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        plain = eng.generate(prompts, params, seeds)
+        monkeypatch.setattr(linears, "ONEDNN_MIN_WEIGHT", 0)
+        monkeypatch.setattr(engine_module, "PACK_MIN_TOKENS", 0)
+        with torch.profiler.profile() as prof:
+            packed = eng.generate(prompts, params, seeds)
+    ops = {event.key for event in prof.key_averages()}
+    assert "mkldnn::_reorder_linear_weight" in ops and "aten::mm" not in ops and "aten::addmm" not in ops
+    assert len({tuple(o.token_ids) for o in plain}) == len(plain)  # every seed its own completion
+    for a, b in zip(plain, packed):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-2)
+
+
 
 def test_an_engine_that_keeps_its_packed_weights_packs_once_per_version_and_generates_the_same(engine, tiny_model, monkeypatch):
     # The rollout server's engine (keep_packed): its weights are packed by the first call and
