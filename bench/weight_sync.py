@@ -1,11 +1,20 @@
 """Weight-sync throughput from a trainer process to a `tandem rollout` server on loopback.
 
     python bench/weight_sync.py [--size 0.5b|tiny] [--repeats 3] [--transports http shm]
+    python bench/weight_sync.py --delta [--dtypes bfloat16 float32]
 
 Builds a randomly initialised model of Qwen2-0.5B's shape (494M parameters, fp32), starts a real
 server process on it, and pushes the weights with each transport as a versioned update
 (begin, chunks, commit), timing the whole push. Prints GB/s (10^9 bytes per second of fp32
 weights moved and made live). The last push of each transport is checked by fingerprint.
+
+--delta: delta weight updates (delta_weight_updates) against whole ones, for a server of each
+--dtypes. Between pushes the model takes one AdamW step (lr 1e-6, tandem's default learning
+rate) on random gradients: Adam's first steps move every weight by about the learning rate, as
+in a run's first steps. Whole updates: --repeats pushes over HTTP, each after a step; then a
+delta client's first push (whole: the base) and --repeats deltas, each after a step. Prints
+per push the bytes sent and the seconds, the fraction of the server dtype's words that changed,
+and whether the server's fingerprint equals the trainer's weights in its dtype.
 """
 
 import argparse
@@ -33,6 +42,8 @@ def main() -> None:
     ap.add_argument("--size", default="0.5b", choices=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--transports", nargs="+", default=["http", "shm"])
+    ap.add_argument("--delta", action="store_true", help="delta weight updates against whole ones")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="with --delta: the servers' dtypes")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -40,6 +51,8 @@ def main() -> None:
     named = list(model.named_parameters())
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     print(f"model: {args.size}, {sum(t.numel() for _, t in named) / 1e6:.0f}M parameters, {nbytes / 1e9:.2f} GB in fp32")
+    if args.delta:
+        return deltas(model, args.dtypes, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         build_tokenizer().save_pretrained(tmp)
@@ -67,6 +80,46 @@ def main() -> None:
     print(f"{'transport':<10} {'median s':>9} {'GB/s (median)':>14} {'GB/s (best)':>12} {'fingerprint':>12}")
     for transport, median, gbs, best, ok in rows:
         print(f"{transport:<10} {median:>9.2f} {gbs:>14.2f} {best:>12.2f} {'match' if ok else 'MISMATCH':>12}")
+
+
+def deltas(model, dtypes: list[str], repeats: int) -> None:
+    named = list(model.named_parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def step() -> float:
+        """One optimizer step on random gradients; the fraction of words that changed in `dtype`."""
+        before = [p.detach().to(dtype, copy=True) for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        changed = sum(int((b != p.detach().to(dtype)).sum()) for b, p in zip(before, model.parameters()))
+        return changed / sum(p.numel() for p in model.parameters())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+        for name in dtypes:
+            dtype = getattr(torch, name)
+            server, url = start_server(tmp, "--dtype", name, timeout=300)
+            try:
+                version = 0
+                for delta in (False, True):
+                    client = RolloutClient([url], server_timeout=300, transport="http", delta=delta)
+                    for r in range(repeats + delta):
+                        changed = step()
+                        version += 1
+                        t = time.perf_counter()
+                        client.push_weights(named, version)
+                        seconds = time.perf_counter() - t
+                        served = requests.get(url + "/weights/fingerprint", timeout=300).json()
+                        mine = fingerprint((n, p.to(dtype)) for n, p in named)
+                        kind = "delta" if delta and r > 0 else "whole"
+                        print(f"server {name:8s} {kind}: {client.push_bytes / 1e6:9.2f} MB in {seconds:5.2f} s; {100 * changed:5.2f}% of its words changed; "
+                              f"fingerprint {'match' if served['fingerprint'] == mine else 'MISMATCH'}", flush=True)  # fmt: skip
+                    client.close()
+            finally:
+                server.terminate()
+                server.wait(timeout=30)
 
 
 if __name__ == "__main__":

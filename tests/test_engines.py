@@ -198,6 +198,41 @@ def test_weight_updates_are_atomic_and_versioned(served, model64):
     assert {c["version"] for c in after} == {version} and after != served_before
 
 
+def test_delta_updates_make_the_weights_a_full_one_does_and_fall_back_where_the_base_differs(served, model64, caplog):
+    # An optimizer step moves few of the served words: a delta from the version the server holds
+    # sends those only, and leaves the weights bitwise a full push's (the fingerprint). A server
+    # whose kept base is not the delta's (another trainer pushed other weights at that version)
+    # refuses it at commit, and the client sends the whole instead.
+    first = perturbed(model64, seed=6)
+    named = list(first.named_parameters())
+    client = client_of(served, delta=True, weight_bucket_bytes=20_000)  # several chunks
+    version = client.fingerprints()[0]["version"] + 1
+    full = sum(t.numel() * t.element_size() for _, t in named)
+    client.push_weights(named, version)
+    assert client.push_bytes == full  # nothing to be a delta from yet
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in first.parameters():  # about 1% of the elements move
+            p.add_(torch.where(torch.rand(p.shape, generator=gen) < 0.01, 1e-3, 0.0))
+    client.push_weights(named, version + 1)
+    assert 0 < client.push_bytes < full / 10
+    assert client.fingerprints()[0] == {"version": version + 1, "fingerprint": fingerprint(first.named_parameters())}
+
+    other = client_of(served, delta=True)
+    other.push_weights(list(perturbed(model64, seed=8).named_parameters()), version + 1, force=True)  # kept as the base, at the same version
+    other.close()
+    with torch.no_grad():
+        for p in first.parameters():
+            p.mul_(1.001)
+    with caplog.at_level("WARNING", logger="tandem"):
+        client.push_weights(named, version + 2)
+    client_fingerprint = client.fingerprints()[0]
+    client.close()
+    assert "refused a delta update" in caplog.text and "fingerprint" in caplog.text
+    assert client.push_bytes > full  # the delta refused, then the whole
+    assert client_fingerprint == {"version": version + 2, "fingerprint": fingerprint(first.named_parameters())}
+
+
 @pytest.mark.quick
 def test_the_version_gate_waits_for_the_update(served, model64):
     client = client_of(served)

@@ -31,13 +31,14 @@ GOLDEN = Path(__file__).with_name("golden.json")
 DIGITS = "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c[-1]['content']) / 4 for c in completions]\n"
 # Wall-clock figures and where the run ran: not results. engine/occupancy, added after the
 # recordings, follows from the completion lengths the recorded metrics check.
-NOT_RESULTS = ("timestamp", "time/", "completion_tokens_per_second", "memory/", "staleness/", "engine/")
+NOT_RESULTS = ("timestamp", "time/", "completion_tokens_per_second", "memory/", "staleness/", "engine/", "weights/")
 
 MODES = {
     # name: (processes, options); 4 steps each, on the tiny model
     "colocate": (1, ["--beta", "0.05", "--num_iterations", "2", "--steps_per_generation", "2", "--per_device_train_batch_size", "8"]),
     "server_sync": (1, ["--rollout_mode", "server"]),
-    "server_async": (1, ["--rollout_mode", "server", "--async_generate", "true", "--max_staleness", "1"]),
+    # with delta weight updates: recorded with whole ones, the same weights arrive
+    "server_async": (1, ["--rollout_mode", "server", "--async_generate", "true", "--max_staleness", "1", "--delta_weight_updates", "true"]),
     "lora": (1, ["--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_dropout", "0.0"]),
     "ddp": (2, ["--per_device_train_batch_size", "8"]),
     "fsdp": (2, ["--per_device_train_batch_size", "8", "--fsdp", "full_shard"]),

@@ -13,7 +13,8 @@ import requests
 import torch
 
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import StagedWeights, buckets, host_id, safetensors_stream, sealed_memfd, shm_available
+from tandem.rollout.weights import (StagedWeights, buckets, compress_delta, fingerprint, host_id, safetensors_stream, sealed_memfd, shm_available,
+                                   xor_bits)  # fmt: skip
 
 log = logging.getLogger("tandem")
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
@@ -22,11 +23,12 @@ WATCH_SECONDS = 2.0  # how often watch() checks each server's process
 
 class RolloutServerError(RuntimeError):
     """A rollout server could not serve a request; the message names it and what was tried.
-    `unreachable`: it did not answer at all (down, or not there), rather than refusing."""
+    `unreachable`: it did not answer at all (down, or not there), rather than refusing; `status`:
+    the HTTP status of a refusal."""
 
-    def __init__(self, message: str, unreachable: bool = False):
+    def __init__(self, message: str, unreachable: bool = False, status: int | None = None):
         super().__init__(message)
-        self.unreachable = unreachable
+        self.unreachable, self.status = unreachable, status
 
 
 class _Restarted(Exception):
@@ -45,6 +47,11 @@ class RolloutClient:
     once with the server's message, unless the server turns out to be a new process (below).
     Every HTTP request has a connect and a read timeout.
 
+    With `delta`, a push sends a server that holds the previous version only what changed
+    (weights.xor_bits in the server's dtype, compressed), checked against the fingerprint of the
+    whole before it goes live; a server at another version, or one that refuses the delta, gets
+    the whole weights. Adapters and StagedWeights always go whole.
+
     A server that comes back as a new process (a restart: its instance id changed) has lost its
     weights. The client pushes it the last weights it pushed (it keeps a CPU copy of them), with
     their version, then repeats the call; a generation in flight at the time is regenerated
@@ -60,6 +67,7 @@ class RolloutClient:
         server_timeout: float = 240.0,
         weight_bucket_bytes: int = 512 * 2**20,
         transport: str = "auto",
+        delta: bool = False,
     ):
         if not urls:
             raise ValueError("rollout_server_urls is empty; give the URL of at least one `tandem rollout` server")
@@ -71,6 +79,9 @@ class RolloutClient:
         self.server_timeout = server_timeout
         self.bucket_bytes = weight_bucket_bytes
         self.transport = transport
+        self.delta = delta
+        self._dtypes: dict[str, str] = {}  # url -> the dtype its engine holds weights in (/info)
+        self._sent: list[int] = []  # bytes each request of the last push_weights sent (push_bytes)
         self._local = threading.local()  # one requests.Session per thread: Session is not thread-safe
         self._same_host: dict[str, bool] = {}
         self._instances: dict[str, str] = {}  # url -> instance id of the server process we synced
@@ -114,7 +125,7 @@ class RolloutClient:
                 if r.status_code not in RETRY_STATUS:
                     # A new process refuses what the old one had (an update id, the next version).
                     self._check_restart(url, instance, time.monotonic() - start)
-                    raise RolloutServerError(f"rollout server {url} refused {what} ({method} {path}): HTTP {r.status_code}: {message}")
+                    raise RolloutServerError(f"rollout server {url} refused {what} ({method} {path}): HTTP {r.status_code}: {message}", status=r.status_code)
                 last = f"HTTP {r.status_code}: {message}"
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as exc:
                 # ChunkedEncodingError: the answer was cut off (the server died while sending it)
@@ -196,7 +207,9 @@ class RolloutClient:
                 status = self._call("GET", url, "/health", "a health check")
                 if status["status"] == "ready":
                     self._instances[url] = status["instance_id"]
-                    return self._call("GET", url, "/info", "an info request")
+                    info = self._call("GET", url, "/info", "an info request")
+                    self._dtypes[url] = info["dtype"]
+                    return info
                 if time.monotonic() > deadline:
                     raise RolloutServerError(f"rollout server {url} was still loading its model after rollout_server_timeout={self.server_timeout}s")
                 time.sleep(0.5)
@@ -246,10 +259,14 @@ class RolloutClient:
         The tensors are copied first: the copy is what a restarted server gets back, and the
         trainer may change its own weights while a generation with these is still in flight.
         StagedWeights (sharded training) are that copy already, on disk, and are read a bucket
-        at a time."""
+        at a time. With `delta` the copy is in the servers' dtype: the bits a delta is made of."""
+        delta = self.delta and not adapter and not isinstance(named, StagedWeights)
         if not isinstance(named, StagedWeights):
-            named = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in named]
-        self._last_pushed = (version, named, adapter)
+            dtype = self._servers_dtype() if delta else None
+            named = [(n, t.detach().to("cpu", dtype=dtype, copy=True).contiguous()) for n, t in named]
+        last, self._last_pushed = self._last_pushed, (version, named, adapter)
+        against = _Delta(last[0], last[1], named, self.bucket_bytes) if delta and last is not None and not last[2] and last[0] == version - 1 else None
+        self._sent = []
 
         def one(url):
             # A server that restarts mid-update gets the whole update again, forced (it is at version 0).
@@ -258,23 +275,48 @@ class RolloutClient:
             def attempt():
                 forced = force or not first[0]
                 first[0] = False
-                return self._push_one(url, named, version, forced, adapter)
+                return self._push_one(url, named, version, forced, adapter, None if forced else against)
 
             return self._retrying(attempt)
 
         return self._each(one, self.urls)
 
-    def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool, adapter: bool) -> int:
+    @property
+    def push_bytes(self) -> int:
+        """What the last push_weights sent, all servers together."""
+        return sum(self._sent)
+
+    def _servers_dtype(self) -> torch.dtype:
+        """The one dtype every server holds weights in, which a delta's bits are of."""
+        for url in self.urls:
+            if url not in self._dtypes:
+                self._dtypes[url] = self._call("GET", url, "/info", "an info request")["dtype"]
+        dtypes = sorted(set(self._dtypes.values()))
+        if len(dtypes) > 1:
+            raise ValueError(f"delta_weight_updates needs rollout servers of one dtype, these hold {dtypes}: start them with one --dtype, or turn it off")
+        return getattr(torch, dtypes[0])
+
+    def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool, adapter: bool, against: "_Delta | None" = None) -> int:
         """One update to one server. Updates to a server run one at a time (a server keeps only
         its newest unfinished update), each bound to the process it began on; an update that
-        process already committed (a resync by the generating thread) is not sent twice."""
+        process already committed (a resync by the generating thread) is not sent twice.
+        `against`: a delta from the version that server holds, if it holds it."""
         with self._push_locks[url]:
             instance = self._instances.get(url)
             if instance is not None and self._committed.get(url) == (instance, version):
                 return version
-            body = {"version": version, "force": force, "num_tensors": len(named), "adapter": adapter, "run_id": self.run and self.run["run_id"]}
+            if against is not None and self._committed.get(url) == (instance, against.version):
+                try:
+                    return self._send_delta(url, instance, version, against)
+                except RolloutServerError as exc:
+                    if exc.status != 409:
+                        raise
+                    log.warning(f"rollout server {url} refused a delta update ({exc}); sending the whole weights")
+            body = {"version": version, "force": force, "num_tensors": len(named), "adapter": adapter, "run_id": self.run and self.run["run_id"],
+                    "keep_base": self.delta and not adapter and not isinstance(named, StagedWeights)}  # fmt: skip
             uid = self._call("POST", url, "/weights/begin", "a weight update", instance, json=body)["update_id"]
             for bucket in named.buckets() if isinstance(named, StagedWeights) else buckets(named, self.bucket_bytes):
+                self._sent.append(sum(t.numel() * t.element_size() for t in bucket.values()))
                 if self._use_shm(url):
                     fd = sealed_memfd(safetensors_stream(bucket)[1])
                     try:
@@ -286,11 +328,22 @@ class RolloutClient:
                 else:
                     self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", instance, data=_Body(bucket),
                                headers={"Content-Type": "application/octet-stream"})  # fmt: skip
-            got = self._call("POST", url, f"/weights/{uid}/commit", "a weight commit", instance)["version"]
-            if got != version:
-                raise RolloutServerError(f"rollout server {url} reports version {got} after the update, expected {version}")
-            self._committed[url] = (instance, version)
-            return got
+            return self._commit(url, instance, uid, version)
+
+    def _send_delta(self, url: str, instance: str, version: int, against: "_Delta") -> int:
+        body = {"version": version, "num_tensors": against.count, "run_id": self.run and self.run["run_id"], "delta_from": against.version, "keep_base": True}
+        uid = self._call("POST", url, "/weights/begin", "a delta weight update", instance, json=body)["update_id"]
+        for chunk in against.chunks():
+            self._sent.append(len(chunk))
+            self._call("PUT", url, f"/weights/{uid}/delta", "a delta weight chunk", instance, data=chunk, headers={"Content-Type": "application/octet-stream"})
+        return self._commit(url, instance, uid, version, against.fingerprint())
+
+    def _commit(self, url: str, instance: str | None, uid: str, version: int, expected: str | None = None) -> int:
+        got = self._call("POST", url, f"/weights/{uid}/commit", "a weight commit", instance, json={"fingerprint": expected})["version"]
+        if got != version:
+            raise RolloutServerError(f"rollout server {url} reports version {got} after the update, expected {version}")
+        self._committed[url] = (instance, version)
+        return got
 
     def claim(self, run_id: str, name: str) -> None:
         """Hold every server for this run: a server refuses the pushes of any other run, and a
@@ -379,6 +432,30 @@ def _settle(future: Future, fn, item) -> None:
         future.set_result(fn(item))
     except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by _each
         future.set_exception(exc)
+
+
+class _Delta:
+    """A delta update from `version` (weights `old`) to `new`: its compressed chunks and the
+    fingerprint of the result, made once, by the first server's thread that needs them, for all."""
+
+    def __init__(self, version: int, old: list[tuple[str, torch.Tensor]], new: list[tuple[str, torch.Tensor]], bucket_bytes: int):
+        self.version, self.count = version, len(new)
+        self._old, self._new, self._bucket_bytes = dict(old), new, bucket_bytes
+        self._lock = threading.Lock()
+        self._chunks: list[bytes] | None = None
+        self._fingerprint: str | None = None
+
+    def chunks(self) -> list[bytes]:
+        with self._lock:
+            if self._chunks is None:
+                self._chunks = [compress_delta({n: xor_bits(t, self._old[n]) for n, t in bucket.items()}) for bucket in buckets(self._new, self._bucket_bytes)]
+            return self._chunks
+
+    def fingerprint(self) -> str:
+        with self._lock:
+            if self._fingerprint is None:
+                self._fingerprint = fingerprint(self._new)
+            return self._fingerprint
 
 
 class _Body:

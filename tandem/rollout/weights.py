@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+import zstandard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -285,3 +286,51 @@ def _header_entry(name: str, spec) -> tuple[torch.dtype, list[int], int, int]:
         raise ValueError(f"tensor {name!r}: header entry needs a dtype of {sorted(_FROM_NAME)}, a shape and data_offsets")
     start, end = ints(spec.get("data_offsets"), 2)
     return _FROM_NAME[spec["dtype"]], ints(spec.get("shape"), None), start, end
+
+
+# ------------------------------------------------------------------ delta updates
+# A delta update sends, for each weight, the XOR of its new and its previous bits in the dtype
+# the server holds it in, compressed with zstd: between two optimizer steps most bf16 words do
+# not change, and their XOR is zero. The server XORs what arrives into the weights it holds, and
+# a fingerprint of the result, checked before the commit, proves it equals a full update.
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+DELTA_LEVEL = 1  # zstd's fastest level: a push's bytes are mostly zeros, which every level shrinks alike
+
+
+def xor_bits(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """new ^ old over their bits, as integers of their item size (same dtype and shape)."""
+    bits = _BITS[new.element_size()]
+    return new.contiguous().view(bits) ^ old.contiguous().view(bits)
+
+
+def apply_xor(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The weight `delta` (xor_bits of it and `base`) was made from."""
+    return (base.contiguous().view(delta.dtype) ^ delta).view(base.dtype)
+
+
+def compress_delta(tensors: dict[str, torch.Tensor]) -> bytes:
+    """zstd of the safetensors bytes of `tensors` (xor_bits results), with the content size in
+    the frame's header: the server bounds what it decompresses by it before it allocates."""
+    size, pieces = safetensors_stream(tensors)
+    out = zstandard.ZstdCompressor(level=DELTA_LEVEL).compressobj(size=size)
+    return b"".join([*(out.compress(piece) for piece in pieces), out.flush()])
+
+
+def delta_size(body: bytes) -> int:
+    """The bytes a compressed delta holds once decompressed, from its frame's header."""
+    try:
+        size = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"a delta chunk is not a zstd frame: {exc}") from None
+    if size < 0:
+        raise ValueError("a delta chunk's zstd frame does not say its content size; write it with the size (tandem does)")
+    return size
+
+
+def decompress_delta(body: bytes) -> dict[str, torch.Tensor]:
+    """compress_delta's tensors back (delta_size bounds the bytes this allocates)."""
+    try:
+        return parse_safetensors(bytearray(zstandard.ZstdDecompressor().decompress(body, max_output_size=delta_size(body))))
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"a delta chunk does not decompress: {exc}") from None

@@ -30,7 +30,7 @@ from tandem.server.serving import (
     Busy, EngineFailure, HeldByAnotherRun, NotReady, OtherProcess, RolloutService, TooLarge, UnknownUpdate, VersionConflict,
 )  # fmt: skip
 from tandem.rollout.types import SamplingParams
-from tandem.rollout.weights import host_id, open_sealed_memfd, parse_safetensors
+from tandem.rollout.weights import delta_size, host_id, open_sealed_memfd, parse_safetensors
 
 log = logging.getLogger("tandem")
 
@@ -279,16 +279,17 @@ def _weight_routes(service: RolloutService) -> APIRouter:
     @router.post("/weights/begin", response_model=P.WeightUpdateHandle,
                  responses=_responses(_AUTH, _BODY, _ENGINE, {409: "not the next version, or another run holds the server"}))  # fmt: skip
     async def begin(req: P.WeightUpdateBegin):
-        return P.WeightUpdateHandle(update_id=service.begin_update(req.version, req.force, req.num_tensors, req.adapter, req.run_id))
+        return P.WeightUpdateHandle(update_id=service.begin_update(req.version, req.force, req.num_tensors, req.adapter, req.run_id, req.delta_from, req.keep_base))
 
-    @router.put(
-        "/weights/{update_id}/chunk",
-        response_model=P.Staged,
-        responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 411: "no Content-Length", 413: "more than the update can hold"}),
-        openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
-    )  # fmt: skip
-    async def chunk(update_id: str, request: Request):
-        # The update and its room are checked before a byte of the body is read or allocated.
+    binary = {
+        "response_model": P.Staged,
+        "responses": _responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 411: "no Content-Length", 413: "more than the update can hold"}),
+        "openapi_extra": {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+    }
+
+    async def received(update_id: str, request: Request, stage) -> P.Staged:
+        """A chunk's body handed to `stage` (in a worker thread). The update and its room are
+        checked before a byte of the body is read or allocated."""
         declared = request.headers.get("content-length")
         if declared is None:
             raise HTTPException(411, "a weight chunk needs a Content-Length header")
@@ -296,10 +297,31 @@ def _weight_routes(service: RolloutService) -> APIRouter:
         service.reserve(update_id, nbytes)
         try:
             body = await _read_body(request, nbytes)
-            return P.Staged(staged=await run_in_threadpool(service.stage, update_id, parse_safetensors_or_400(body)))
+            return P.Staged(staged=await run_in_threadpool(stage, body))
         except BaseException:
             service.unreserve(update_id, nbytes)  # a chunk refused or cut off holds no room
             raise
+
+    @router.put("/weights/{update_id}/chunk", **binary)
+    async def chunk(update_id: str, request: Request):
+        return await received(update_id, request, lambda body: service.stage(update_id, parse_safetensors_or_400(body)))
+
+    @router.put("/weights/{update_id}/delta", **binary)
+    async def delta(update_id: str, request: Request):
+        """A delta update's chunk: weights.compress_delta of XORs against the delta base."""
+
+        def stage(body: bytearray) -> int:
+            # The chunk's room becomes what it decompresses to (the weights it stages), reserved
+            # before that is allocated; the compressed body counted while it was read.
+            more = max(0, delta_size(body) - len(body))
+            service.reserve(update_id, more)
+            try:
+                return service.stage_delta(update_id, body)
+            except BaseException:
+                service.unreserve(update_id, more)
+                raise
+
+        return await received(update_id, request, stage)
 
     @router.post("/weights/{update_id}/file", response_model=P.Staged,
                  responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 413: "more than the update can hold"}))  # fmt: skip
@@ -308,9 +330,9 @@ def _weight_routes(service: RolloutService) -> APIRouter:
 
     @router.post("/weights/{update_id}/commit", response_model=P.WeightCommitResult,
                  responses=_responses(_AUTH, _ENGINE, {400: "tensors missing", 404: "no such update", 409: "not the next version"}))  # fmt: skip
-    def commit(update_id: str):
-        version = service.commit(update_id)
-        return P.WeightCommitResult(version=version, fingerprint="")
+    def commit(update_id: str, req: P.WeightCommit | None = None):
+        version = service.commit(update_id, req and req.fingerprint)
+        return P.WeightCommitResult(version=version, fingerprint=(req and req.fingerprint) or "")
 
     @router.get("/weights/fingerprint", response_model=P.Fingerprint, response_model_exclude_none=True, responses=_responses(_AUTH, _ENGINE))
     def weights_fingerprint():

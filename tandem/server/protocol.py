@@ -73,6 +73,10 @@ class WeightUpdateBegin(_Strict):
     num_tensors: int = Field(..., ge=1)
     adapter: bool = Field(False, description="A LoRA adapter update: factors '<weight>.lora_A' and '<weight>.lora_B' (scale folded into B), and whole weights; served merged into the base weights.")
     run_id: str | None = Field(None, max_length=64, description="The pushing run (POST /run); while a run holds the server, only it may push.")
+    delta_from: int | None = Field(None, ge=0, description="A delta update against this version, the one live: its chunks go to /weights/{id}/delta and its commit names "
+                                   "the result's fingerprint. Refused (409) unless the server kept that version as a delta base (keep_base).")  # fmt: skip
+    keep_base: bool = Field(False, description="Keep this update's weights as the base the next delta update applies to (where the engine does not hold the "
+                            "weights as received, a copy: the model's size in memory). Only an update in the engine's dtype can be one.")  # fmt: skip
 
 
 class RunClaim(_Strict):
@@ -97,6 +101,11 @@ class WeightFile(_Strict):
 
 class Staged(BaseModel):
     staged: int  # tensors of the update staged so far
+
+
+class WeightCommit(_Strict):
+    fingerprint: str | None = Field(None, max_length=64, description="The fingerprint (GET /weights/fingerprint) the staged weights must have in the engine's dtype; "
+                                    "the commit is refused (409) and the update dropped when they differ. Required for a delta update.")  # fmt: skip
 
 
 class WeightCommitResult(BaseModel):

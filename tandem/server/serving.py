@@ -17,7 +17,7 @@ import torch
 from tandem.engines.engine import Engine
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.adapters import check_adapter, check_pairs, merge
-from tandem.rollout.weights import check_weights, fingerprint, max_update_bytes
+from tandem.rollout.weights import apply_xor, check_weights, decompress_delta, fingerprint, max_update_bytes
 
 
 class NotReady(RuntimeError):
@@ -84,6 +84,8 @@ class _Staged:
     num_tensors: int
     capacity: int  # bytes this update may still receive: the model's size in F32, less what arrived or is on its way
     adapter: bool = False  # LoRA factors to merge into the base weights (tandem.rollout.adapters)
+    delta_from: int | None = None  # a delta update: XORs against the weights of this version (the delta base)
+    keep_base: bool = False  # these weights become the delta base once live
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -150,6 +152,8 @@ class RolloutService:
         # While an adapter is live: the full weights it is merged into, their fingerprint, and the adapter's.
         self._base: tuple[dict[str, torch.Tensor], str] | None = None
         self._adapter_fingerprint: str | None = None
+        # The live weights a delta update applies to, as an update with keep_base sent them, and their version.
+        self._delta_base: tuple[int, dict[str, torch.Tensor]] | None = None
         self._stopped = False
         self._broken: str | None = None  # why the engine's weights are mixed: an update failed midway
         self.run: RunHold | None = None  # the run that holds the server, if one claimed it
@@ -375,17 +379,23 @@ class RolloutService:
 
     # ------------------------------------------------------------------ weights
 
-    def begin_update(self, version: int, force: bool, num_tensors: int, adapter: bool = False, run_id: str | None = None) -> str:
+    def begin_update(self, version: int, force: bool, num_tensors: int, adapter: bool = False, run_id: str | None = None, delta_from: int | None = None,
+                     keep_base: bool = False) -> str:  # fmt: skip
         engine = self._need_engine()
         with self._cv:
             if self.run is not None and run_id != self.run.run_id:
                 raise HeldByAnotherRun(self._held_message())
         if not force and version != engine.version + 1:
             raise VersionConflict(f"update to version {version} refused: the server is at {engine.version}, the next is {engine.version + 1}")
+        if adapter and (delta_from is not None or keep_base):
+            raise ValueError("an adapter update cannot be a delta update or a delta base; send adapters whole")
+        if delta_from is not None and (self._delta_base is None or self._delta_base[0] != delta_from or engine.version != delta_from):
+            held = "no delta base" if self._delta_base is None else f"version {self._delta_base[0]} as its delta base"
+            raise VersionConflict(f"a delta update against version {delta_from} refused: the server is at version {engine.version} and holds {held}; send a full update")
         update_id = uuid.uuid4().hex
         capacity = max_update_bytes(engine.weight_spec())
-        with self._cv:
-            self._staged = {update_id: _Staged(version, force, num_tensors, capacity, adapter)}  # an unfinished older update is dropped
+        with self._cv:  # an unfinished older update is dropped
+            self._staged = {update_id: _Staged(version, force, num_tensors, capacity, adapter, delta_from, keep_base)}
         return update_id
 
     def reserve(self, update_id: str, nbytes: int) -> None:
@@ -410,21 +420,51 @@ class RolloutService:
     def stage(self, update_id: str, tensors: dict[str, torch.Tensor]) -> int:
         """Hold tensors of an update aside; nothing is live until commit. Returns tensors staged so far."""
         engine = self._need_engine()
-        with self._cv:
-            staged = self._staged.get(update_id)
-        if staged is None:
-            raise UnknownUpdate(f"no weight update {update_id!r} in progress (a newer one replaced it, or it was committed)")
+        staged = self._update(update_id)
+        if staged.delta_from is not None:
+            raise ValueError(f"update {update_id} is a delta update: its chunks go to /weights/{update_id}/delta")
         if staged.adapter:  # early: a bad chunk fails as it arrives
             check_adapter(engine.weight_spec(), tensors)
         else:
             check_weights(engine.weight_spec(), tensors, complete=False)
+        return self._add(update_id, staged, tensors)
+
+    def stage_delta(self, update_id: str, body: bytes) -> int:
+        """Stage the weights a delta chunk makes: its XORs (weights.compress_delta) applied to the
+        delta base. Returns tensors staged so far."""
+        engine = self._need_engine()
+        staged = self._update(update_id)
+        if staged.delta_from is None:
+            raise ValueError(f"update {update_id} is a full update: its chunks go to /weights/{update_id}/chunk")
+        base = self._delta_base[1] if self._delta_base is not None and self._delta_base[0] == staged.delta_from else None
+        if base is None:
+            raise VersionConflict(f"the delta base of update {update_id} (version {staged.delta_from}) is gone; send a full update")
+        tensors = {}
+        for name, delta in decompress_delta(body).items():
+            old = base.get(name)
+            if old is None or delta.shape != old.shape or delta.element_size() != old.element_size() or delta.is_floating_point():
+                raise ValueError(f"delta for {name!r}: needs integer XORs of the shape and item size of the weight it changes")
+            tensors[name] = apply_xor(old, delta)
+        check_weights(engine.weight_spec(), tensors, complete=False)
+        return self._add(update_id, staged, tensors)
+
+    def _update(self, update_id: str) -> _Staged:
+        with self._cv:
+            staged = self._staged.get(update_id)
+        if staged is None:
+            raise UnknownUpdate(f"no weight update {update_id!r} in progress (a newer one replaced it, or it was committed)")
+        return staged
+
+    def _add(self, update_id: str, staged: _Staged, tensors: dict[str, torch.Tensor]) -> int:
         with self._cv:
             if self._staged.get(update_id) is not staged:
                 raise UnknownUpdate(f"no weight update {update_id!r} in progress (a newer one replaced it, or it was committed)")
             staged.tensors.update(tensors)
             return len(staged.tensors)
 
-    def commit(self, update_id: str) -> int:
+    def commit(self, update_id: str, expected: str | None = None) -> int:
+        """Make a staged update live; returns its version. `expected`: the fingerprint its weights
+        must have in the engine's dtype, checked first (a delta update's must be given)."""
         engine = self._need_engine()
         with self._cv:
             staged = self._staged.get(update_id)
@@ -434,9 +474,20 @@ class RolloutService:
                 raise ValueError(f"update {update_id} has {len(staged.tensors)} of {staged.num_tensors} tensors; send the rest before commit")
         if staged.adapter:
             check_pairs(staged.tensors)
+        if staged.delta_from is not None and expected is None:
+            raise ValueError(f"update {update_id} is a delta update: its commit names the fingerprint of the result")
+        if expected is not None:
+            spec = engine.weight_spec()
+            got = fingerprint((n, t.to(spec[n].dtype)) for n, t in staged.tensors.items())
+            if got != expected:
+                with self._cv:
+                    self._staged.pop(update_id, None)
+                raise VersionConflict(f"update {update_id} refused at commit: its weights' fingerprint is {got[:12]}, the trainer's {expected[:12]} "
+                                      "(a delta applied to other weights than its base); send a full update")  # fmt: skip
         with self._gate.exclusive():  # waits for the generation in flight
             if not staged.force and staged.version != engine.version + 1:
                 raise VersionConflict(f"update to version {staged.version} refused at commit: the server is now at {engine.version}")
+            self._delta_base = None  # the live weights change: only a base kept below stays one
             try:
                 if staged.adapter:
                     if self._base is None:  # the weights live now are full ones: they become the base
@@ -446,6 +497,11 @@ class RolloutService:
                 else:
                     engine.load_weights(staged.tensors)
                     self._base = self._adapter_fingerprint = None
+                    # Tensors in the engine's dtype are the weights it holds (the transformers engine
+                    # adopts them: no copy), so a delta against them is against the live weights.
+                    spec = engine.weight_spec()
+                    if staged.keep_base and all(t.dtype == spec[n].dtype for n, t in staged.tensors.items()):
+                        self._delta_base = (staged.version, staged.tensors)
             except ValueError:
                 raise  # refused before any weight changed (names, shapes, values)
             except Exception as exc:  # noqa: BLE001 - the engine holds part of the update: no generation until a whole one loads

@@ -23,6 +23,7 @@ class ServerOptions:
     request_timeout: float
     server_timeout: float
     transport: str
+    delta: bool  # delta_weight_updates
     adapters: bool  # LoRA: pushes hold adapters, checked against the base the servers hold
     verify: bool  # verify_weight_sync: every push's fingerprint checked
     model: str  # model_name_or_path, for the messages
@@ -42,6 +43,7 @@ class Servers:
             request_timeout=options.request_timeout,
             server_timeout=options.server_timeout,
             transport=options.transport,
+            delta=options.delta,
         )
         self.engine = RemoteEngine(self.client)
         self.infos = self.client.wait_until_ready()
