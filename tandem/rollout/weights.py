@@ -298,10 +298,12 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 DELTA_LEVEL = 1  # zstd's fastest level: a push's bytes are mostly zeros, which every level shrinks alike
 
 
-def xor_bits(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """new ^ old over their bits, as integers of their item size (same dtype and shape)."""
+def xor_bits_(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """old ^= new over their bits (same dtype and shape, `old` contiguous), in place: a fresh
+    tensor of a model's size costs more in page faults here than the XOR. Returns `old` viewed
+    as integers of its item size."""
     bits = _BITS[new.element_size()]
-    return new.contiguous().view(bits) ^ old.contiguous().view(bits)
+    return old.view(bits).bitwise_xor_(new.contiguous().view(bits))
 
 
 def apply_xor(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -329,8 +331,13 @@ def delta_size(body: bytes) -> int:
 
 
 def decompress_delta(body: bytes) -> dict[str, torch.Tensor]:
-    """compress_delta's tensors back (delta_size bounds the bytes this allocates)."""
+    """compress_delta's tensors back, decompressed straight into one buffer of the size the
+    frame declares (delta_size), which they view."""
+    out = bytearray(delta_size(body))
     try:
-        return parse_safetensors(bytearray(zstandard.ZstdDecompressor().decompress(body, max_output_size=delta_size(body))))
+        got = zstandard.ZstdDecompressor().stream_reader(body).readinto(out)
     except zstandard.ZstdError as exc:
         raise ValueError(f"a delta chunk does not decompress: {exc}") from None
+    if got != len(out):
+        raise ValueError(f"a delta chunk decompresses to {got} bytes, its frame says {len(out)}")
+    return parse_safetensors(out)

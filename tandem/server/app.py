@@ -73,7 +73,8 @@ class Guard:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 return await _error(send, 401, scope["path"], "missing or wrong 'Authorization: Bearer <api key>' header")
-        limit = self.max_chunk if scope["path"].endswith("/chunk") else self.max_request
+        chunk = scope["path"].startswith("/weights/") and scope["path"].endswith(("/chunk", "/delta"))  # a weight chunk, whole or delta
+        limit = self.max_chunk if chunk else self.max_request
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             return await _error(send, 413, scope["path"], f"request body larger than the limit of {limit} bytes")
