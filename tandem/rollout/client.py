@@ -14,7 +14,7 @@ import torch
 
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import (StagedWeights, buckets, compress_delta, fingerprint, host_id, safetensors_stream, sealed_memfd, shm_available,
-                                   xor_bits_)  # fmt: skip
+                                   xor_bits)  # fmt: skip
 
 log = logging.getLogger("tandem")
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
@@ -441,7 +441,7 @@ def _settle(future: Future, fn, item) -> None:
 class _Delta:
     """A delta update from `version` (weights `old`) to `new`: its compressed chunks and the
     fingerprint of the result, made once, by the first server's thread that needs them, for all.
-    The XORs are made in `old`'s memory (the last push's copy, which nothing needs after this)."""
+    `old` stays as it is: a restarted server's resync may be sending it at the same time."""
 
     def __init__(self, version: int, old: list[tuple[str, torch.Tensor]], new: list[tuple[str, torch.Tensor]], bucket_bytes: int):
         self.version, self.count = version, len(new)
@@ -453,7 +453,7 @@ class _Delta:
     def chunks(self) -> list[bytes]:
         with self._lock:
             if self._chunks is None:
-                self._chunks = [compress_delta({n: xor_bits_(self._old[n], t) for n, t in bucket.items()}) for bucket in buckets(self._new, self._bucket_bytes)]
+                self._chunks = [compress_delta({n: xor_bits(t, self._old[n]) for n, t in bucket.items()}) for bucket in buckets(self._new, self._bucket_bytes)]
             return self._chunks
 
     def fingerprint(self) -> str:

@@ -298,12 +298,10 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 DELTA_LEVEL = 1  # zstd's fastest level: a push's bytes are mostly zeros, which every level shrinks alike
 
 
-def xor_bits_(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """old ^= new over their bits (same dtype and shape, `old` contiguous), in place: a fresh
-    tensor of a model's size costs more in page faults here than the XOR. Returns `old` viewed
-    as integers of its item size."""
+def xor_bits(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """new ^ old over their bits, as integers of their item size (same dtype and shape)."""
     bits = _BITS[new.element_size()]
-    return old.view(bits).bitwise_xor_(new.contiguous().view(bits))
+    return new.contiguous().view(bits) ^ old.contiguous().view(bits)
 
 
 def apply_xor(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
