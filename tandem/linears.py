@@ -30,7 +30,7 @@ class OneDNNLinears(TorchFunctionMode):
     def __init__(self, pack: bool = False):
         super().__init__()
         self.pack = pack
-        self.bf16 = pack and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        self.bf16 = pack and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # whether it takes bf16 matmuls
         # weight -> (its storage, version and the dtype computed in when packed, the packed copy);
         # an entry goes with its weight, and a weight whose storage or values changed is packed
         # again in its place.
@@ -56,7 +56,7 @@ class OneDNNLinears(TorchFunctionMode):
     def _dtype(self, x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
         """The dtype this computes x @ w.T in (what F.linear would), or None where it leaves the
         call to F.linear: a small weight, one off the CPU, a dtype it does not take."""
-        if type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu" or not _large(w):
+        if type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu" or not _large(w, self.bf16):
             return None
         if torch.is_autocast_enabled("cpu"):
             # Under autocast F.linear computes in the autocast dtype: bf16 here when packing.
@@ -67,14 +67,17 @@ class OneDNNLinears(TorchFunctionMode):
         return None
 
 
-def _large(w: torch.Tensor) -> bool:
-    """A weight this may take: fp32 or bf16, on a CPU, at least ONEDNN_MIN_WEIGHT elements."""
-    return w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu" and w.numel() >= ONEDNN_MIN_WEIGHT
+def _large(w: torch.Tensor, bf16: bool) -> bool:
+    """A weight the mode may take: fp32 (or bf16 where it takes bf16 matmuls), on a CPU, at
+    least ONEDNN_MIN_WEIGHT elements."""
+    return w.dtype in ((torch.float32, torch.bfloat16) if bf16 else (torch.float32,)) and w.device.type == "cpu" and w.numel() >= ONEDNN_MIN_WEIGHT
 
 
 def fast_linears(module: torch.nn.Module, pack: bool = False):
     """OneDNNLinears while `module` runs, where it holds a weight the mode takes and torch has
     oneDNN; nothing otherwise: the mode sends every torch call through Python, which made the
     tiny model's decode 1.5x slower where it changed no matmul."""
-    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    return OneDNNLinears(pack) if onednn and any(_large(p) for p in module.parameters()) else contextlib.nullcontext()
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return contextlib.nullcontext()
+    mode = OneDNNLinears(pack)
+    return mode if any(_large(p, mode.bf16) for p in module.parameters()) else contextlib.nullcontext()
