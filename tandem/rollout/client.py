@@ -1,17 +1,19 @@
 """The trainer's side of the rollout server: timeouts, retries with backoff, health, several
-servers (requests spread over them, weights pushed to all), and an Engine that runs remotely."""
+servers as one fleet (requests shared by their speed, weights pushed to all, a replica that fails
+taken out and its work done elsewhere), and an Engine that runs remotely."""
 
 import logging
 import math
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Callable, Iterable
 
 import requests
 import torch
 
+from tandem.rollout.fleet import BALANCES, Fleet
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import (StagedWeights, buckets, compress_delta, fingerprint, host_id, safetensors_stream, sealed_memfd, shm_available,
                                    xor_bits)  # fmt: skip
@@ -56,6 +58,15 @@ class RolloutClient:
     weights. The client pushes it the last weights it pushed (it keeps a CPU copy of them), with
     their version, then repeats the call; a generation in flight at the time is regenerated
     from the same seeds with the same version, so the run goes on as if nothing happened.
+
+    Several servers are one fleet (tandem.rollout.fleet): each call's prompts are shared among
+    the replicas up by `balance` ("speed": by their measured speed; "even"), a sequence whose
+    prefix a replica served goes back to it where its share allows. watch() probes each one; a
+    replica that refuses connections, or leaves a health check unanswered for `replica_timeout`
+    seconds, is taken out: its part of a call is generated again by the others (same seeds, same
+    tokens) and pushes skip it. Once it answers again it gets the last weights whole (by the
+    client that pushes; the others wait until it holds the version they need) and is put back.
+    With no replica left, a call waits `server_timeout` for one, then fails naming each.
     """
 
     def __init__(
@@ -68,11 +79,15 @@ class RolloutClient:
         weight_bucket_bytes: int = 512 * 2**20,
         transport: str = "auto",
         delta: bool = False,
+        balance: str = "speed",
+        replica_timeout: float = 30.0,
     ):
         if not urls:
             raise ValueError("rollout_server_urls is empty; give the URL of at least one `tandem rollout` server")
         if transport not in ("auto", "http", "shm"):
             raise ValueError(f"weight transport must be auto, http or shm, got {transport!r}")
+        if balance not in BALANCES:
+            raise ValueError(f"rollout_balance must be one of {sorted(BALANCES)}, got {balance!r}")
         self.urls = [u.rstrip("/") for u in urls]
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = (connect_timeout, request_timeout)
@@ -80,6 +95,11 @@ class RolloutClient:
         self.bucket_bytes = weight_bucket_bytes
         self.transport = transport
         self.delta = delta
+        self.fleet = Fleet(self.urls, BALANCES[balance]())
+        self.replica_timeout = replica_timeout
+        self._need_version = 0  # the newest min_version asked for: a replica put back must hold it
+        self._fleet_lock = threading.Lock()  # a push's replicas and a put-back replica's resync: one sees the other
+        self._watching = False
         self._dtypes: dict[str, str] = {}  # url -> the dtype its engine holds weights in (/info)
         self._sent: list[int] = []  # bytes each request of the last push_weights sent (push_bytes)
         self._local = threading.local()  # one requests.Session per thread: Session is not thread-safe
@@ -196,6 +216,31 @@ class RolloutClient:
             futures.append(future)
         return [f.result() for f in futures]
 
+    def _each_replica(self, fn, items: list) -> list:
+        """_each, over a call's replicas (each item a url, or a tuple that begins with one); with
+        several servers, None for the item of a replica taken out meanwhile (watch() takes out one
+        that stops answering; a request that found it unreachable does so too), and the rest go
+        on without it. Its thread is left to end by itself."""
+        if len(self.urls) == 1:
+            return self._each(fn, items)
+        urls = [item if isinstance(item, str) else item[0] for item in items]
+        futures = []
+        for item in items:
+            future: Future = Future()
+            threading.Thread(target=_settle, args=(future, fn, item), name="tandem-client", daemon=True).start()
+            futures.append(future)
+        results = []
+        for url, future in zip(urls, futures):
+            while not future.done() and self.fleet.is_up(url):
+                wait([future], timeout=0.2)
+            if not future.done() or (future.exception() is not None and _unreachable(future.exception())):
+                if future.done():
+                    self.fleet.mark_down(url, str(future.exception()))
+                results.append(None)
+            else:
+                results.append(future.result())
+        return results
+
     # ------------------------------------------------------------------ API
 
     def wait_until_ready(self) -> list[dict]:
@@ -219,37 +264,50 @@ class RolloutClient:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0, version_timeout: float = 0.0
     ) -> list[Completion]:
-        """One completion per prompt (with its seed), spread in contiguous parts over the servers."""
-        k = len(self.urls)
-        bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
-        parts = [(url, bounds[i], bounds[i + 1]) for i, url in enumerate(self.urls) if bounds[i + 1] > bounds[i]]
+        """One completion per prompt (with its seed), the prompts shared among the servers up; a
+        part whose server goes down is generated again by the others."""
+        self._need_version = max(self._need_version, min_version)
+        out: list[Completion | None] = [None] * len(prompts)
+        todo = list(range(len(prompts)))
+        while todo:
+            if len(self.urls) > 1 and (gone := self.fleet.wait_for_one(self.server_timeout)) is not None:
+                raise RolloutServerError(f"no rollout server is left: {gone}; none came back within rollout_server_timeout={self.server_timeout}s",
+                                         unreachable=True)  # fmt: skip
+            plan = self.fleet.plan(prompts, todo)
+            todo = []
+            for (url, part), got in zip(plan, self._each_replica(lambda p: self._generate_part(p[0], p[1], prompts, params, seeds, min_version, version_timeout), plan)):
+                if got is None:
+                    self.fleet.events["reissued"] += len(part)
+                    todo += part
+                for i, c in zip(part, got or []):
+                    out[i] = c
+        return out
 
-        def one(part):
-            url, lo, hi = part
-            body = {
-                "prompts": prompts[lo:hi],
-                "n": 1,
-                "sampling": params.to_dict(),
-                "seeds": seeds[lo:hi],
-                "min_version": min_version,
-                "version_timeout": version_timeout,
-            }
+    def _generate_part(self, url: str, part: list[int], prompts, params: SamplingParams, seeds, min_version: int, version_timeout: float) -> list[Completion]:
+        body = {
+            "prompts": [prompts[i] for i in part],
+            "n": 1,
+            "sampling": params.to_dict(),
+            "seeds": [seeds[i] for i in part],
+            "min_version": min_version,
+            "version_timeout": version_timeout,
+        }
 
-            def request():
-                # A server replaced since the last call would hold a request that needs a version
-                # only a push gives back. Under several processes, the rank that pushes may reach
-                # the new process first, and would never notice, while a rank that noticed (and
-                # pushes nothing) waits on the version (FSDP, in CI twice: a health check before
-                # the request left a window). So the request names the process it is for, and
-                # another one refuses it at once: a refusal that _call turns into a resync.
-                return self._call("POST", url, "/generate", "a generate request", json={**body, "instance_id": self._instances.get(url)})
+        def request():
+            # A server replaced since the last call would hold a request that needs a version
+            # only a push gives back. Under several processes, the rank that pushes may reach
+            # the new process first, and would never notice, while a rank that noticed (and
+            # pushes nothing) waits on the version (FSDP, in CI twice: a health check before
+            # the request left a window). So the request names the process it is for, and
+            # another one refuses it at once: a refusal that _call turns into a resync.
+            return self._call("POST", url, "/generate", "a generate request", json={**body, "instance_id": self._instances.get(url)})
 
-            out = self._retrying(request)["completions"]
-            if len(out) != hi - lo:
-                raise RolloutServerError(f"rollout server {url} returned {len(out)} completions for {hi - lo} prompts")
-            return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], c["version"]) for c in out]
-
-        return [c for part in self._each(one, parts) for c in part]
+        start = time.monotonic()
+        out = self._retrying(request)["completions"]
+        if len(out) != len(part):
+            raise RolloutServerError(f"rollout server {url} returned {len(out)} completions for {len(part)} prompts")
+        self.fleet.served(url, body["prompts"], sum(len(c["token_ids"]) for c in out), time.monotonic() - start)
+        return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], c["version"]) for c in out]
 
     def push_weights(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False, adapter: bool = False) -> list[int]:
         """Send every weight to every server as one atomic update that makes `version` live;
@@ -267,7 +325,9 @@ class RolloutClient:
         if not isinstance(named, StagedWeights):
             dtype = None if adapter else self._servers_dtype(required=delta)
             named = [(n, t.detach().to("cpu", dtype=dtype, copy=True).contiguous()) for n, t in named]
-        last, self._last_pushed = self._last_pushed, (version, named, adapter)
+        with self._fleet_lock:  # a replica put back from here on is put back with these weights
+            last, self._last_pushed = self._last_pushed, (version, named, adapter)
+            urls = self.fleet.up()
         against = _Delta(last[0], last[1], named, self.bucket_bytes) if delta and last is not None and not last[2] and last[0] == version - 1 else None
         self._sent = []
 
@@ -282,7 +342,7 @@ class RolloutClient:
 
             return self._retrying(attempt)
 
-        return self._each(one, self.urls)
+        return self._each_replica(one, urls)
 
     @property
     def push_bytes(self) -> int:
@@ -388,8 +448,8 @@ class RolloutClient:
             except requests.RequestException:
                 pass
 
-    def fingerprints(self) -> list[dict]:
-        return self._each(self.fingerprint, self.urls)
+    def fingerprints(self, urls: list[str] | None = None) -> list[dict]:
+        return self._each(self.fingerprint, urls or self.urls)
 
     def fingerprint(self, url: str) -> dict:
         """One server's version and fingerprints, asked from the calling thread."""
@@ -404,27 +464,62 @@ class RolloutClient:
         return self._same_host[url]
 
     def watch(self, interval: float = WATCH_SECONDS) -> None:
-        """Check every server's process every `interval` seconds in a thread of its own, and resync
-        one that restarted. For the process that pushes when several train: a restart another
-        process's request ran into leaves that process waiting on the server for a version only
-        this one can push, and this one waiting on it in a collective, calling no server."""
+        """Probe every server's /health every `interval` seconds, each in a thread of its own (once
+        per client). A server that answers as a new process is resynced, by the client that
+        pushes: a restart another process's request ran into leaves that process waiting on the
+        server for a version only this one can push, and this one waiting on it in a collective,
+        calling no server. With several servers, one that refuses connections or leaves a probe
+        unanswered for replica_timeout seconds is taken out of the fleet, and put back once it
+        answers and holds the version needed (the client that pushes gives it the last weights)."""
+        if self._watching:
+            return
+        self._watching = True
+        for url in self.urls:
+            threading.Thread(target=self._watch_one, args=(url, interval), name="tandem-server-watch", daemon=True).start()
 
-        def check(url: str, seen: float) -> float:
-            """When `url`'s synced process last answered: now, or `seen` if it did not."""
+    def _watch_one(self, url: str, interval: float) -> None:
+        seen = time.monotonic()  # when its process last answered
+        while not self._closed.wait(interval):
             try:
-                if self._retrying(lambda: self._check_restart(url, self._instances.get(url), time.monotonic() - seen)):
-                    return time.monotonic()
-            except RolloutServerError as exc:  # down again mid-resync: the next check, or a request, meets it
+                health = self.session.get(url + "/health", timeout=(self.timeout[0], self.replica_timeout)).json()
+            except (requests.RequestException, ValueError) as exc:
+                refused = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.ConnectTimeout)
+                if len(self.urls) > 1 and (refused or time.monotonic() - seen > self.replica_timeout):
+                    self.fleet.mark_down(url, f"{'refused connections' if refused else 'health checks unanswered'}: {type(exc).__name__}")
+                continue
+            down, seen = time.monotonic() - seen, time.monotonic()
+            try:
+                if health.get("status") != "ready":
+                    continue
+                if self.fleet.is_up(url):
+                    if self.run is not None and health["instance_id"] != self._instances.get(url):
+                        self._retrying(lambda: self._check_restart(url, self._instances.get(url), down))
+                else:
+                    self._put_back(url, health)
+            except RolloutServerError as exc:  # down again mid-resync: the next probe, or a request, meets it
                 log.warning(f"rollout server {url}: resync failed: {exc}")
-            return seen
 
-        def loop() -> None:
-            seen = dict.fromkeys(self.urls, time.monotonic())  # url -> when its process last answered as synced
-            while not self._closed.wait(interval):
-                for url in self.urls:
-                    seen[url] = check(url, seen[url])
-
-        threading.Thread(target=loop, name="tandem-server-watch", daemon=True).start()
+    def _put_back(self, url: str, health: dict) -> None:
+        """A replica that was taken out answers again: the client that pushes gives it the last
+        weights whole, where it does not hold them; another client waits until it holds the
+        version its calls need. Then it is in the fleet again."""
+        if self.run is None:
+            if health["version"] >= self._need_version:
+                self.fleet.mark_up(url)
+            return
+        while True:
+            pushed = self._last_pushed
+            if pushed is not None and (health["instance_id"] != self._instances.get(url) or health["version"] != pushed[0]):
+                if health["instance_id"] != self._instances.get(url):
+                    self._retrying(lambda: self._check_restart(url, self._instances.get(url), 0.0))  # resyncs a new process
+                else:
+                    self._retrying(lambda: self._push_one(url, pushed[1], pushed[0], True, pushed[2]))
+            with self._fleet_lock:
+                if self._last_pushed is pushed:
+                    self.fleet.mark_up(url)
+                    log.warning(f"rollout server {url} answers again; it holds version {pushed[0] if pushed else health['version']} and is back in the fleet")
+                    return
+            health = self._call("GET", url, "/health", "a health check")
 
     def close(self) -> None:
         """Ends the watch; nothing else to wait for: a request still in flight ends with its daemon thread."""
@@ -476,6 +571,10 @@ class _Body:
 
     def __iter__(self):
         return safetensors_stream(self.tensors)[1]
+
+
+def _unreachable(exc: BaseException) -> bool:
+    return isinstance(exc, RolloutServerError) and exc.unreachable
 
 
 def _error_text(r: requests.Response) -> str:

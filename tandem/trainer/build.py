@@ -345,7 +345,8 @@ def _servers(config: TrainConfig, dist: Dist, learner: Learner, state: TrainStat
     on every rank, and staged on disk by rank 0, the one that pushes)."""
     name = f"in {Path(config.output_dir).resolve()} on {socket.gethostname()} (pid {os.getpid()})"
     options = ServerOptions(config.rollout_server_urls, config.api_key(), config.rollout_connect_timeout, config.rollout_request_timeout,
-                            config.rollout_server_timeout, config.weight_transport, config.delta_weight_updates, config.use_peft, config.verify_weight_sync,
+                            config.rollout_server_timeout, config.weight_transport, config.delta_weight_updates,
+                            config.rollout_balance, config.rollout_replica_timeout, config.use_peft, config.verify_weight_sync,
                             config.model_name_or_path, name)  # fmt: skip
     servers = Servers(options, vocab_size, dist.world, dist.is_main, share_cores=config.async_generate)
     pushes = sharding.Pushes(Path(config.output_dir), servers.client.bucket_bytes, dist.is_main)

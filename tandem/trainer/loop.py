@@ -151,8 +151,8 @@ def train_round(run: Run, idle: IdleSteps) -> dict:
             record = step_record_collective(run, rnd, batch, loss_sum, grad_norm, stats, time.perf_counter() - round_start, first)
             record["time/train"] = time.perf_counter() - t_train - publish_seconds
             record["time/weight_sync"] = publish_seconds
-            if run.servers is not None and run.dist.is_main:  # what the push sent, all servers together (delta_weight_updates)
-                record["weights/push_mb"] = run.servers.client.push_bytes / 2**20 if final else 0.0
+            if run.servers is not None and run.dist.is_main:
+                record.update(run.servers.metrics() | ({} if final else {"weights/push_mb": 0.0}))
             run.log.step(record)
             _check_idle(run, idle.after_step(record))
             if first:

@@ -24,6 +24,8 @@ class ServerOptions:
     server_timeout: float
     transport: str
     delta: bool  # delta_weight_updates
+    balance: str  # rollout_balance
+    replica_timeout: float  # rollout_replica_timeout
     adapters: bool  # LoRA: pushes hold adapters, checked against the base the servers hold
     verify: bool  # verify_weight_sync: every push's fingerprint checked
     model: str  # model_name_or_path, for the messages
@@ -44,6 +46,8 @@ class Servers:
             server_timeout=options.server_timeout,
             transport=options.transport,
             delta=options.delta,
+            balance=options.balance,
+            replica_timeout=options.replica_timeout,
         )
         self.engine = RemoteEngine(self.client)
         self.infos = self.client.wait_until_ready()
@@ -55,6 +59,8 @@ class Servers:
         for url, info in zip(options.urls, self.infos):
             if info["vocab_size"] < vocab_size:
                 raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {vocab_size}")
+        if len(options.urls) > 1:  # every process takes a replica that stops answering out of its fleet
+            self.client.watch()
 
     @property
     def _key(self) -> str:
@@ -86,6 +92,16 @@ class Servers:
         if self.options.verify:
             self._verify(policy, version)
 
+    def metrics(self) -> dict[str, float]:
+        """What the push sent, and with several servers, the fleet's replicas up and its events so
+        far, as this process saw them: replicas taken out and put back, sequences generated again
+        elsewhere."""
+        record = {"weights/push_mb": self.client.push_bytes / 2**20}
+        if len(self.options.urls) > 1:
+            fleet = self.client.fleet
+            record.update({"servers/up": float(len(fleet.up()))} | {f"servers/{k}": float(v) for k, v in fleet.events.items()})
+        return record
+
     def close(self) -> None:
         self.client.release()
         self.client.close()
@@ -114,9 +130,10 @@ class Servers:
     def _verify(self, policy: Named, version: int) -> None:
         """Hash our weights in each server's dtype (its copy rounds the same way) and compare;
         adapters are hashed as sent (the server keeps them as received)."""
-        served = self.client.fingerprints()
+        urls = self.client.fleet.up()  # a replica taken out gets the weights whole, checked, when it is put back
+        served = self.client.fingerprints(urls)
         mine_each = [fingerprint(policy)] * len(served) if self.options.adapters else self._served_as(policy)
-        for url, fp, mine in zip(self.options.urls, served, mine_each):
+        for url, fp, mine in zip(urls, served, [mine_each[self.options.urls.index(u)] for u in urls]):
             if fp.get(self._key) != mine or fp["version"] != version:
                 raise RolloutServerError(
                     f"rollout server {url} holds different weights after the push of version {version} "
