@@ -492,7 +492,7 @@ class RolloutClient:
                 if health.get("status") != "ready":
                     continue
                 if self.fleet.is_up(url):
-                    if self.run is not None and health["instance_id"] != self._instances.get(url):
+                    if health["instance_id"] != self._instances.get(url):
                         self._retrying(lambda: self._check_restart(url, self._instances.get(url), down))
                 else:
                     self._put_back(url, health)
@@ -503,7 +503,7 @@ class RolloutClient:
         """A replica that was taken out answers again: the client that pushes gives it the last
         weights whole, where it does not hold them; another client waits until it holds the
         version its calls need. Then it is in the fleet again."""
-        if self.run is None:
+        if self.run is None and self._last_pushed is None:  # a client that does not push
             if health["version"] >= self._need_version:
                 self.fleet.mark_up(url)
             return
