@@ -2,6 +2,7 @@
 
     python bench/weight_sync.py [--size 0.5b|tiny] [--repeats 3] [--transports http shm]
     python bench/weight_sync.py --delta [--dtypes bfloat16 float32]
+    python bench/weight_sync.py --replicas 3
 
 Builds a randomly initialised model of Qwen2-0.5B's shape (494M parameters, fp32), starts a real
 server process on it, and pushes the weights with each transport as a versioned update
@@ -15,6 +16,10 @@ in a run's first steps. Whole updates: --repeats pushes over HTTP, each after a 
 delta client's first push (whole: the base) and --repeats deltas, each after a step. Prints
 per push the bytes sent and the seconds, the fraction of the server dtype's words that changed,
 and whether the server's fingerprint equals the trainer's weights in its dtype.
+
+--replicas N: N bf16 servers (one engine thread each) as one fleet. Pushes to the first alone
+and to all N alternate, --repeats of each, over the default transport (shared memory here);
+prints the median seconds of each and their ratio.
 """
 
 import argparse
@@ -44,6 +49,7 @@ def main() -> None:
     ap.add_argument("--transports", nargs="+", default=["http", "shm"])
     ap.add_argument("--delta", action="store_true", help="delta weight updates against whole ones")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="with --delta: the servers' dtypes")
+    ap.add_argument("--replicas", type=int, default=0, help="pushes to one server against pushes to this many")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -53,6 +59,8 @@ def main() -> None:
     print(f"model: {args.size}, {sum(t.numel() for _, t in named) / 1e6:.0f}M parameters, {nbytes / 1e9:.2f} GB in fp32")
     if args.delta:
         return deltas(model, args.dtypes, args.repeats)
+    if args.replicas:
+        return fleet_pushes(model, args.replicas, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         build_tokenizer().save_pretrained(tmp)
@@ -80,6 +88,32 @@ def main() -> None:
     print(f"{'transport':<10} {'median s':>9} {'GB/s (median)':>14} {'GB/s (best)':>12} {'fingerprint':>12}")
     for transport, median, gbs, best, ok in rows:
         print(f"{transport:<10} {median:>9.2f} {gbs:>14.2f} {best:>12.2f} {'match' if ok else 'MISMATCH':>12}")
+
+
+def fleet_pushes(model, replicas: int, repeats: int) -> None:
+    named = list(model.named_parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+        servers = [start_server(tmp, "--dtype", "bfloat16", "--threads", "1", timeout=300) for _ in range(replicas)]
+        urls = [url for _, url in servers]
+        try:
+            one, fleet = RolloutClient(urls[:1], server_timeout=300), RolloutClient(urls, server_timeout=300)
+            times: dict[str, list[float]] = {"one": [], "all": []}
+            for version in range(1, repeats + 1):
+                for name, client in (("one", one), ("all", fleet)):
+                    t = time.perf_counter()
+                    client.push_weights(named, version, force=True)  # force: the first server takes each version twice
+                    times[name].append(time.perf_counter() - t)
+            served = {requests.get(u + "/weights/fingerprint", timeout=300).json()["fingerprint"] for u in urls}
+            mine = fingerprint([(n, t.to(torch.bfloat16)) for n, t in named])
+        finally:
+            for proc, _ in servers:
+                proc.terminate()
+                proc.wait(timeout=30)
+    one_s, all_s = (sorted(v)[len(v) // 2] for v in times.values())
+    print(f"bf16 servers, {repeats} pushes of each, alternating; median seconds a push (every replica made live)")
+    print(f"1 replica: {one_s:.2f} s; {replicas} replicas: {all_s:.2f} s ({all_s / one_s:.2f}x); fingerprints {'match' if served == {mine} else 'MISMATCH'}")
 
 
 def deltas(model, dtypes: list[str], repeats: int) -> None:

@@ -3,18 +3,23 @@ vllm`): several processes, async generation, the demo task, a server killed and 
 
 import json
 import os
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import requests
+from transformers import AutoModelForCausalLM
 
 from conftest import KEY, VLLM_SERVER, Server, cli_here, kill_server_mid_run, needs_vllm, wait_for_step
 from tandem.cli import DEMO_CONFIG
 from tandem.demo import addition_rows, prepare, warmup_pairs, write_jsonl
 from tandem.init_model import save, warmup_sft
+from tandem.rollout.client import RolloutClient
+from tandem.rollout.types import SamplingParams
 from test_async import DIGITS, ENV, base_args, command, read, train, weight_gap
 from test_multiturn import ROUNDS, ROUNDS_AGENT
 
@@ -165,6 +170,51 @@ def test_a_weight_vllm_leaves_unloaded_fails_the_push_naming_it(model64, data, t
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "refused a weight commit" in proc.stderr and "vLLM did not load the whole update" in proc.stderr and dropped in proc.stderr, proc.stderr[-3000:]
     assert after.status_code == 500 and "the weight update to version 1 failed to load" in after.json()["error"], after.text
+
+
+def test_a_vllm_fleet_sends_a_sequence_back_to_its_prefix_and_works_around_a_stopped_replica(model64, shared_vllm):
+    """Two vLLM servers as one fleet. A conversation's next turn goes back to the replica whose
+    prefix cache holds its last one; a replica stopped (SIGSTOP) mid-call is taken out, the other
+    generates its part with the same tokens, and, resumed, it is put back with the weights pushed
+    meanwhile."""
+    first, second = shared_vllm.handed_over(), Server(model64, *shared_vllm.options)
+    client = RolloutClient([first.url, second.url], api_key=KEY, server_timeout=120, balance="even", replica_timeout=3)
+    weights = list(AutoModelForCausalLM.from_pretrained(model64).named_parameters())
+
+    def cached() -> int:
+        return sum(requests.get(u + "/info", headers=client.headers, timeout=30).json()["stats"]["cached_prompt_tokens"] for u in client.urls)
+
+    try:
+        client.wait_until_ready()
+        client.claim("vllm-fleet", "test")  # the client that pushes: it puts a replica back with the last weights
+        client.watch(interval=0.2)
+        client.push_weights(weights, 1)
+        prompts = [[1 + (7 * i + j) % 200 for j in range(150)] for i in range(8)]  # a full block of keys and values (128 tokens on CPU) and part of another
+        replies = client.generate(prompts, SamplingParams(max_tokens=8), list(range(8)), min_version=1)
+        before = cached()
+        # the next turns, in the other order: an even split alone would send each to the other replica
+        client.generate([p + r.token_ids + [5, 6] for p, r in zip(prompts, replies)][::-1], SamplingParams(max_tokens=8), list(range(8)), min_version=1)
+        assert cached() - before == 8 * 128
+
+        params, seeds = SamplingParams(max_tokens=400), list(range(100, 108))
+        whole = client.generate(prompts, params, seeds, min_version=1)
+        threading.Timer(0.3, lambda: os.kill(second.proc.pid, signal.SIGSTOP)).start()
+        disturbed = client.generate(prompts, params, seeds, min_version=1)
+        assert [c.token_ids for c in disturbed] == [c.token_ids for c in whole]
+        assert client.fleet.up() == [first.url] and client.fleet.events["reissued"] > 0, client.fleet.events
+        client.push_weights([(n, t + 1e-3) for n, t in weights], 2)  # the stopped one misses it
+        os.kill(second.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while second.url not in client.fleet.up():
+            assert time.monotonic() < deadline, "the resumed replica was not put back"
+            time.sleep(0.1)
+        assert client.fingerprints([first.url]) == client.fingerprints([second.url])
+        assert {c.version for c in client.generate(prompts, SamplingParams(max_tokens=8), seeds, min_version=2)} == {2}
+    finally:
+        os.kill(second.proc.pid, signal.SIGCONT)
+        client.release()
+        client.close()
+        second.stop()
 
 
 # Last in the file: it kills the shared server, which the next test would have to start again.

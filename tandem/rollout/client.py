@@ -209,12 +209,7 @@ class RolloutClient:
         raised with its cause. Daemon threads, not a ThreadPoolExecutor: Python joins an executor's
         threads at exit, so a request in flight (a server that holds it) kept a failing trainer
         alive for up to rollout_request_timeout, and under torchrun held the other ranks with it."""
-        futures = []
-        for item in items:
-            future: Future = Future()
-            threading.Thread(target=_settle, args=(future, fn, item), name="tandem-client", daemon=True).start()
-            futures.append(future)
-        return [f.result() for f in futures]
+        return [f.result() for f in _started(fn, items)]
 
     def _each_replica(self, fn, items: list) -> list:
         """_each, over a call's replicas (each item a url, or a tuple that begins with one); with
@@ -224,13 +219,8 @@ class RolloutClient:
         if len(self.urls) == 1:
             return self._each(fn, items)
         urls = [item if isinstance(item, str) else item[0] for item in items]
-        futures = []
-        for item in items:
-            future: Future = Future()
-            threading.Thread(target=_settle, args=(future, fn, item), name="tandem-client", daemon=True).start()
-            futures.append(future)
         results = []
-        for url, future in zip(urls, futures):
+        for url, future in zip(urls, _started(fn, items)):
             while not future.done() and self.fleet.is_up(url):
                 wait([future], timeout=0.2)
             if not future.done() or (future.exception() is not None and _unreachable(future.exception())):
@@ -524,6 +514,16 @@ class RolloutClient:
     def close(self) -> None:
         """Ends the watch; nothing else to wait for: a request still in flight ends with its daemon thread."""
         self._closed.set()
+
+
+def _started(fn, items: Iterable) -> list[Future]:
+    """fn(item) for each item, each in a daemon thread of its own; their futures."""
+    futures = []
+    for item in items:
+        future: Future = Future()
+        threading.Thread(target=_settle, args=(future, fn, item), name="tandem-client", daemon=True).start()
+        futures.append(future)
+    return futures
 
 
 def _settle(future: Future, fn, item) -> None:

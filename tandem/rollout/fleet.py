@@ -8,13 +8,12 @@ replica serves it changes none of them: shares may follow the replicas' measured
 import logging
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
 log = logging.getLogger("tandem")
-AFFINITY_TOKENS = 256  # a sequence's home is keyed by (up to) this many first tokens: its group's prompt, which its later turns and carried-over parts begin with
-HOMES_KEPT = 1 << 16  # the most keys remembered (the oldest are forgotten first)
+HOMES_KEPT = 1 << 16  # the most served prompts remembered (the oldest are forgotten first)
+_MOD = (1 << 61) - 1  # the prefix hash's modulus (a Mersenne prime)
 
 
 class Balance(Protocol):
@@ -86,8 +85,7 @@ class Fleet:
     def __init__(self, urls: list[str], balance: Balance):
         self.urls, self.balance = urls, balance
         self.down: dict[str, Down] = {}
-        self.homes: dict[tuple[int, ...], str] = {}  # a served sequence's first (up to AFFINITY_TOKENS) tokens -> the replica that served it last
-        self._lengths: Counter[int] = Counter()  # the keys' lengths: a sequence's home is the key of one of them it begins with
+        self.homes: dict[tuple[int, int], str] = {}  # a served prompt's (length, hash) -> the replica that served it last
         self.events = {"down": 0, "readded": 0, "reissued": 0}  # replicas taken out, put back; sequences generated again elsewhere
         self._changed = threading.Condition()
 
@@ -114,14 +112,18 @@ class Fleet:
 
     def plan(self, prompts: list[list[int]], indices: list[int]) -> list[tuple[str, list[int]]]:
         """`indices` (of `prompts`) shared among the replicas up: each replica's share by the
-        balance, filled first with the sequences whose prefix it holds, then in order."""
+        balance, filled first with the sequences whose prefix it holds (the longest prompt it
+        served that the sequence begins with), then in order."""
         urls = self.up()
+        if len(urls) == 1:
+            return [(urls[0], list(indices))]
         quota = dict(zip(urls, self.balance.shares(len(indices), urls)))
         parts: dict[str, list[int]] = {u: [] for u in urls}
         rest = []
-        lengths = sorted(self._lengths, reverse=True)
         for i in indices:
-            home = next((self.homes[k] for n in lengths if len(prompts[i]) >= n and (k := tuple(prompts[i][:n])) in self.homes), None)
+            home = None
+            for key in _prefixes(prompts[i]):
+                home = self.homes.get(key, home)
             if home in quota and len(parts[home]) < quota[home]:
                 parts[home].append(i)
             else:
@@ -135,19 +137,14 @@ class Fleet:
         """`url` answered for `prompts`, `tokens` completion tokens in `seconds`."""
         with self._changed:
             self.balance.observe(url, tokens, seconds)
+            if len(self.urls) == 1:
+                return
             for p in prompts:
-                key = tuple(p[:AFFINITY_TOKENS])
-                if self.homes.pop(key, None) is None:  # re-inserted last: the dict's order is the age
-                    self._lengths[len(key)] += 1
+                *_, key = _prefixes(p)  # the whole prompt's
+                self.homes.pop(key, None)  # re-inserted last: the dict's order is the age
                 self.homes[key] = url
             while len(self.homes) > HOMES_KEPT:
-                self._forget(next(iter(self.homes)))
-
-    def _forget(self, key: tuple[int, ...]) -> None:
-        del self.homes[key]
-        self._lengths[len(key)] -= 1
-        if not self._lengths[len(key)]:
-            del self._lengths[len(key)]
+                del self.homes[next(iter(self.homes))]
 
     def wait_for_one(self, timeout: float) -> str | None:
         """Wait up to `timeout` seconds for a replica to be up; None once one is, else what
@@ -158,3 +155,11 @@ class Fleet:
             now = time.monotonic()
             return "; ".join(f"{u} down for {now - d.since:.0f}s ({d.why})" for u, d in self.down.items())
 
+
+
+def _prefixes(tokens: list[int]):
+    """(length, hash) of every prefix of `tokens`, shortest first: one pass, each hash from the last."""
+    h = 0
+    for n, token in enumerate(tokens, 1):
+        h = (h * 1_000_003 + token + 1) % _MOD
+        yield n, h

@@ -1,0 +1,102 @@
+"""A fleet of rollout servers on this machine: completion tokens/s of one replica and of two (each
+pinned to a core of its own with taskset, one engine thread each), then the same two with one
+made a straggler, under `even` shares (tandem's split before fleets) and `speed` shares (the
+default), alternating call by call in one run.
+
+    python bench/fleet.py [--size small] [--prompts 32] [--max-tokens 128] [--calls 6]
+
+The straggler is produced by this script: a thread stops that replica's process for half of
+every 100 ms (SIGSTOP, then SIGCONT), so it runs at half speed whatever it does. Three replicas
+would share this machine's two cores, so none of them would run at a known speed: the run uses
+two (more where the machine has the cores: --replicas). The first `speed` call of each phase
+learns the rates and is not counted.
+"""
+
+import argparse
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from common import start_server  # bench/common.py
+from tandem.init_model import init_model
+from tandem.rollout.client import RolloutClient
+from tandem.rollout.types import SamplingParams
+
+
+def throttle(pid: int, stop: threading.Event, period: float = 0.1) -> None:
+    """Half speed: stopped for the first half of every period."""
+    while not stop.is_set():
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(period / 2)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(period / 2)
+
+
+def tokens_per_second(client: RolloutClient, prompts, seeds, params) -> float:
+    start = time.perf_counter()
+    out = client.generate(prompts, params, seeds)
+    return sum(len(c.token_ids) for c in out) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="small", choices=["tiny", "small", "medium"], help="model made by tandem init-model (random init)")
+    ap.add_argument("--prompts", type=int, default=32, help="completions per call")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=6, help="calls per figure")
+    ap.add_argument("--replicas", type=int, default=min(os.cpu_count() or 1, 3), help="replicas, one core each")
+    args = ap.parse_args()
+    k = args.replicas
+    prompts = [[1, 40 + i % 50, 60, 70, 80] for i in range(args.prompts)]
+    seeds = list(range(args.prompts))
+    params = SamplingParams(max_tokens=args.max_tokens)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_model(Path(tmp) / "model", size=args.size, seed=0)
+        servers = [start_server(Path(tmp) / "model", "--threads", "1", prefix=["taskset", "-c", str(i)]) for i in range(k)]
+        urls = [url for _, url in servers]
+        try:
+            clients = {"even": RolloutClient(urls, balance="even"), "speed": RolloutClient(urls, balance="speed")}
+            one = RolloutClient(urls[:1])
+            for c in (one, *clients.values()):
+                c.wait_until_ready()
+            tokens_per_second(one, prompts, seeds, params)  # warm-up
+
+            def alternate(names) -> dict[str, float]:
+                """Median tokens/s of each client over the calls, one call of each in turn."""
+                got: dict[str, list[float]] = {n: [] for n in names}
+                for name in names:  # learns the speed shares; not counted
+                    tokens_per_second(clients.get(name, one), prompts, seeds, params)
+                for _ in range(args.calls):
+                    for name in names:
+                        got[name].append(tokens_per_second(clients.get(name, one), prompts, seeds, params))
+                return {n: sorted(v)[len(v) // 2] for n, v in got.items()}
+
+            even_fleet = alternate(["one", "even", "speed"])
+            stop = threading.Event()
+            threading.Thread(target=throttle, args=(servers[-1][0].pid, stop), daemon=True).start()
+            try:
+                straggler = alternate(["even", "speed"])
+            finally:
+                stop.set()
+                time.sleep(0.2)
+                os.kill(servers[-1][0].pid, signal.SIGCONT)
+            print(f"model {args.size}, {args.prompts} completions of up to {args.max_tokens} tokens a call, median of {args.calls} calls; "
+                  f"{k} replicas, one core and one thread each; completion tokens/s")  # fmt: skip
+            print("| fleet | even shares | speed shares |\n|---|---|---|")
+            print(f"| 1 replica | {even_fleet['one']:.0f} | |")
+            print(f"| {k} replicas | {even_fleet['even']:.0f} | {even_fleet['speed']:.0f} |")
+            print(f"| {k} replicas, one at half speed | {straggler['even']:.0f} | {straggler['speed']:.0f} |")
+            for name in ("even", "speed"):
+                print(f"{name}: the straggler keeps {straggler[name] / even_fleet[name]:.0%} of the even fleet's tokens/s")
+            print(f"speed shares' last rates (tokens/s): {[round(r) for r in clients['speed'].fleet.balance.rate.values()]}")
+        finally:
+            for proc, _ in servers:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()
