@@ -8,8 +8,8 @@ default), alternating call by call in one run.
 The straggler is produced by this script: a thread stops that replica's process for half of
 every 100 ms (SIGSTOP, then SIGCONT), so it runs at half speed whatever it does. Three replicas
 would share this machine's two cores, so none of them would run at a known speed: the run uses
-two (more where the machine has the cores: --replicas). The first `speed` call of each phase
-learns the rates and is not counted.
+two (more where the machine has the cores: --replicas). The first two calls of each client in
+each phase learn the replicas' times and are not counted.
 """
 
 import argparse
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=["tiny", "small", "medium"], help="model made by tandem init-model (random init)")
     ap.add_argument("--prompts", type=int, default=32, help="completions per call")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--calls", type=int, default=6, help="calls per figure")
+    ap.add_argument("--calls", type=int, default=8, help="calls per figure")
     ap.add_argument("--replicas", type=int, default=min(os.cpu_count() or 1, 3), help="replicas, one core each")
     args = ap.parse_args()
     k = args.replicas
@@ -68,8 +68,9 @@ def main() -> None:
             def alternate(names) -> dict[str, float]:
                 """Median tokens/s of each client over the calls, one call of each in turn."""
                 got: dict[str, list[float]] = {n: [] for n in names}
-                for name in names:  # learns the speed shares; not counted
-                    tokens_per_second(clients.get(name, one), prompts, seeds, params)
+                for _ in range(2):  # the speed shares learn the replicas' times: not counted
+                    for name in names:
+                        tokens_per_second(clients.get(name, one), prompts, seeds, params)
                 for _ in range(args.calls):
                     for name in names:
                         got[name].append(tokens_per_second(clients.get(name, one), prompts, seeds, params))
@@ -92,7 +93,9 @@ def main() -> None:
             print(f"| {k} replicas, one at half speed | {straggler['even']:.0f} | {straggler['speed']:.0f} |")
             for name in ("even", "speed"):
                 print(f"{name}: the straggler keeps {straggler[name] / even_fleet[name]:.0%} of the even fleet's tokens/s")
-            print(f"speed shares' last rates (tokens/s): {[round(r) for r in clients['speed'].fleet.balance.rate.values()]}")
+            timed = clients["speed"].fleet.balance
+            fits = ", ".join(f"replica {i}: a {fit[0] * 1e3:.2f} ms, b {fit[1] * 1e3:.3f} ms" for i, u in enumerate(urls) if (fit := timed.fit(u)))
+            print(f"speed shares' fits of a step's seconds, a + b * rows: {fits}; last shares {[len(p) for _, p in clients['speed'].fleet.plan(prompts, seeds)]}")
         finally:
             for proc, _ in servers:
                 proc.kill()

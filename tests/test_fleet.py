@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from conftest import ENV, Server, command, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.client import RolloutClient
-from tandem.rollout.fleet import EvenSplit, Fleet, SpeedWeighted
+from tandem.rollout.fleet import EvenSplit, Fleet, Timed
 from tandem.rollout.types import SamplingParams
 from test_async import DIGITS, base_args, read
 
@@ -27,20 +27,29 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # three servers and a train
 
 
 @pytest.mark.quick
-def test_speed_shares_follow_the_replicas_rates_and_a_slow_one_left_out_is_tried_again():
-    speed = SpeedWeighted(smoothing=1.0)
+def test_speed_shares_follow_each_replicas_step_time_and_a_replica_left_out_is_tried_again():
     urls = ["a", "b", "c"]
-    assert speed.shares(10, urls) == [4, 3, 3] and EvenSplit().shares(10, urls) == [3, 4, 3]  # none measured yet: even
-    for url, rate in zip(urls, (200.0, 200.0, 100.0)):  # c answers at half the others' rate
-        speed.observe(url, int(rate), 1.0)
-    assert speed.shares(50, urls) == [20, 20, 10]
-    speed.observe("c", 1, 1.0)  # memory-bound: its rate fell with its rows, so its share falls to none
-    assert speed.shares(50, urls) == [25, 25, 0]
-    # Left out, its rate doubles at each call it sits out (1 -> 2 -> 4, up to the mean), so it is tried again.
-    assert speed.shares(50, urls)[2] == 0 and speed.rate["c"] == 4.0
-    for _ in range(6):
-        speed.shares(50, urls)
-    assert speed.shares(50, urls)[2] > 0
+    assert Timed().shares(10, urls) == [3, 3, 4] and EvenSplit().shares(10, urls) == [3, 4, 3]  # none measured: even
+    # Compute-bound: a step costs 1 ms a row on a and b, 2 ms on c (half speed). Measured at two
+    # row counts each, the fit finds a = 0 and b; rows go 2:2:1 (40 rows: 16, 16, 8; each step 16 ms).
+    compute = Timed()
+    for url, b in zip(urls, (1e-3, 1e-3, 2e-3)):
+        for rows in (10, 14):
+            compute.observe(url, rows, 100, 100 * b * rows)  # 100 steps of `rows` rows
+    assert compute.shares(40, urls) == [16, 16, 8]
+    # Memory-bound: a step costs 10 ms + 0.1 ms a row on a and b, twice that on c. c's step alone
+    # (20.2 ms) is slower than a's or b's with every row (10 + 0.1 * 20 = 12 ms): c gets none.
+    memory = Timed()
+    for url, scale in zip(urls, (1, 1, 2)):
+        for rows in (10, 14):
+            memory.observe(url, rows, 50, 50 * scale * (10e-3 + 0.1e-3 * rows))
+    assert memory.shares(40, urls) == [20, 20, 0]
+    a, b = memory.fit("c")
+    assert abs(a - 20e-3) < 1e-9 and abs(b - 0.2e-3) < 1e-9
+    # Left out 4 calls (this one and 3 more), c's fit is forgotten and it is tried as the mean of
+    # the others (all three alike: 40 rows in 13, 13, 14); then it waits 8 calls, and so on.
+    assert [memory.shares(40, urls)[2] for _ in range(3)] == [0, 0, 0] and memory.fit("c") is None
+    assert memory.shares(40, urls) == [13, 13, 14] and memory.wait["c"] == 8
 
 
 @pytest.mark.quick

@@ -296,7 +296,7 @@ class RolloutClient:
         out = self._retrying(request)["completions"]
         if len(out) != len(part):
             raise RolloutServerError(f"rollout server {url} returned {len(out)} completions for {len(part)} prompts")
-        self.fleet.served(url, body["prompts"], sum(len(c["token_ids"]) for c in out), time.monotonic() - start)
+        self.fleet.served(url, body["prompts"], max(len(c["token_ids"]) for c in out), time.monotonic() - start)
         return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], c["version"]) for c in out]
 
     def push_weights(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False, adapter: bool = False) -> list[int]:

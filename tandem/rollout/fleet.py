@@ -6,8 +6,10 @@ A completion's tokens depend on its prompt, seed and weights alone (docs/async.m
 replica serves it changes none of them: shares may follow the replicas' measured speed."""
 
 import logging
+import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,11 +19,12 @@ _MOD = (1 << 61) - 1  # the prefix hash's modulus (a Mersenne prime)
 
 
 class Balance(Protocol):
-    """How many of a call's `n` sequences each replica serves; told how each request went."""
+    """How many of a call's `n` sequences each replica serves; told how each request went: its
+    rows, its decode steps (its longest completion) and its seconds."""
 
     def shares(self, n: int, urls: list[str]) -> list[int]: ...
 
-    def observe(self, url: str, tokens: int, seconds: float) -> None: ...
+    def observe(self, url: str, rows: int, steps: int, seconds: float) -> None: ...
 
 
 class EvenSplit:
@@ -31,45 +34,72 @@ class EvenSplit:
         k = len(urls)
         return [round((i + 1) * n / k) - round(i * n / k) for i in range(k)]
 
-    def observe(self, url: str, tokens: int, seconds: float) -> None:
+    def observe(self, url: str, rows: int, steps: int, seconds: float) -> None:
         pass
 
 
-class SpeedWeighted:
-    """Shares in proportion to each replica's completion tokens per second in its recent requests
-    (an exponential average): replicas that answered in unequal times get shares that make them
-    answer together. Where time grows with a batch's rows (compute-bound), a replica at half speed
-    settles at half a share; where it does not (memory-bound decoding, whose step costs about the
-    same for 4 rows as for 8), a slow replica's share shrinks call by call towards none, which is
-    then the fastest split: the others take its rows at little cost. A replica left without a share
-    doubles its rate (up to the others' mean) at each call it sits out, so one that recovered is
-    tried again. A replica not measured yet counts as the mean of those that are."""
+class Timed:
+    """Shares that make the replicas answer together, from the times they took. A decode step of
+    r rows takes a + b*r seconds on a replica: a is what every step costs (reading the weights,
+    dispatch), b what each row adds. Each replica's a and b are fitted to its last KEPT requests
+    (their seconds per step), and a call's rows go where they make the slowest predicted step
+    shortest. Where a step costs about the same for 4 rows as for 8 (memory-bound decoding: a
+    dominates), a replica at half speed gets no rows: its step alone would take longer than the
+    others' with its rows added. Where steps grow with the rows (b dominates) it gets about half a
+    share. Until a replica's requests differ in rows, its time is taken as proportional to them
+    (a = 0); one not measured yet counts as the mean of those that are. A replica left without
+    rows is tried again, as that mean, after it sat out 4 calls, then 8, 16, up to 64: one that
+    recovered comes back, and one still slow costs two slow calls each time."""
 
-    def __init__(self, smoothing: float = 0.5):
-        self.smoothing = smoothing
-        self.rate: dict[str, float] = {}  # url -> completion tokens per second
+    KEPT = 4
+
+    def __init__(self):
+        self.seen: dict[str, deque[tuple[int, float]]] = {}  # url -> (rows, seconds per step) of its last requests
+        self.idle: dict[str, int] = {}  # url -> calls it sat out in a row
+        self.wait: dict[str, int] = {}  # url -> calls it sits out before it is tried again
+
+    def observe(self, url: str, rows: int, steps: int, seconds: float) -> None:
+        if rows > 0 and steps > 0 and seconds > 0:
+            self.seen.setdefault(url, deque(maxlen=self.KEPT)).append((rows, seconds / steps))
+
+    def fit(self, url: str) -> tuple[float, float] | None:
+        """(a, b) by least squares over the replica's requests, both >= 0; None if none."""
+        seen = self.seen.get(url)
+        if not seen:
+            return None
+        rows, step = sum(r for r, _ in seen) / len(seen), sum(t for _, t in seen) / len(seen)
+        spread = sum((r - rows) ** 2 for r, _ in seen)
+        if spread == 0:
+            return 0.0, step / rows
+        b = max(sum((r - rows) * (t - step) for r, t in seen) / spread, 0.0)
+        return max(step - b * rows, 0.0), max(b, 1e-12)
 
     def shares(self, n: int, urls: list[str]) -> list[int]:
-        known = [self.rate[u] for u in urls if u in self.rate]
-        mean = sum(known) / len(known) if known else 1.0
-        weights = [self.rate.get(u, mean) for u in urls]
-        exact = [n * w / sum(weights) for w in weights]
-        counts = [int(e) for e in exact]
-        for i in sorted(range(len(urls)), key=lambda i: counts[i] - exact[i])[: n - sum(counts)]:  # largest remainders
-            counts[i] += 1
+        fits = [self.fit(u) for u in urls]
+        known = [f for f in fits if f is not None]
+        mean = (sum(a for a, _ in known) / len(known), sum(b for _, b in known) / len(known)) if known else (0.0, 1.0)
+        model = [f or mean for f in fits]
+
+        def rows_within(t: float) -> list[int]:  # the most rows each replica decodes in a step of t seconds
+            return [min(n, math.floor((t - a) / b + 1e-9)) if t >= a + b else 0 for a, b in model]
+
+        lo, hi = 0.0, max(a + b * n for a, b in model)
+        for _ in range(60):  # the shortest step in which the replicas hold all n rows
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if sum(rows_within(mid)) >= n else (mid, hi)
+        counts = rows_within(hi)
+        while sum(counts) > n:  # one row less where the predicted step is longest
+            i = max((i for i in range(len(urls)) if counts[i]), key=lambda i: model[i][0] + model[i][1] * counts[i])
+            counts[i] -= 1
         for url, count in zip(urls, counts):
-            if count == 0 and url in self.rate:
-                self.rate[url] = min(2 * self.rate[url], mean)
+            self.idle[url] = 0 if count else self.idle.get(url, 0) + 1
+            if self.idle[url] >= self.wait.setdefault(url, 4):  # tried again at the next call, as the mean
+                self.seen.pop(url, None)
+                self.idle[url], self.wait[url] = 0, min(2 * self.wait[url], 64)
         return counts
 
-    def observe(self, url: str, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        rate = tokens / seconds
-        self.rate[url] = rate if url not in self.rate else (1 - self.smoothing) * self.rate[url] + self.smoothing * rate
 
-
-BALANCES = {"speed": SpeedWeighted, "even": EvenSplit}
+BALANCES = {"speed": Timed, "even": EvenSplit}
 
 
 @dataclass
@@ -133,10 +163,10 @@ class Fleet:
             parts[url] += [next(it) for _ in range(quota[url] - len(parts[url]))]
         return [(url, sorted(part)) for url, part in parts.items() if part]
 
-    def served(self, url: str, prompts: list[list[int]], tokens: int, seconds: float) -> None:
-        """`url` answered for `prompts`, `tokens` completion tokens in `seconds`."""
+    def served(self, url: str, prompts: list[list[int]], steps: int, seconds: float) -> None:
+        """`url` answered for `prompts` in `seconds`, its longest completion `steps` tokens."""
         with self._changed:
-            self.balance.observe(url, tokens, seconds)
+            self.balance.observe(url, len(prompts), steps, seconds)
             if len(self.urls) == 1:
                 return
             for p in prompts:
