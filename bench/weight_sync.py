@@ -114,6 +114,7 @@ def fleet_pushes(model, replicas: int, repeats: int) -> None:
     one_s, all_s = (sorted(v)[len(v) // 2] for v in times.values())
     print(f"bf16 servers, {repeats} pushes of each, alternating; median seconds a push (every replica made live)")
     print(f"1 replica: {one_s:.2f} s; {replicas} replicas: {all_s:.2f} s ({all_s / one_s:.2f}x); fingerprints {'match' if served == {mine} else 'MISMATCH'}")
+    print(f"each push, in order: 1 replica {[round(t, 2) for t in times['one']]}; {replicas} replicas {[round(t, 2) for t in times['all']]}")
 
 
 def deltas(model, dtypes: list[str], repeats: int) -> None:

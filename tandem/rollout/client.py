@@ -320,6 +320,7 @@ class RolloutClient:
             urls = self.fleet.up()
         against = _Delta(last[0], last[1], named, self.bucket_bytes) if delta and last is not None and not last[2] and last[0] == version - 1 else None
         self._sent = []
+        files = _SharedFiles(users=sum(self._use_shm(u) for u in urls))
 
         def one(url):
             # A server that restarts mid-update gets the whole update again, forced (it is at version 0).
@@ -328,11 +329,14 @@ class RolloutClient:
             def attempt():
                 forced = force or not first[0]
                 first[0] = False
-                return self._push_one(url, named, version, forced, adapter, None if forced else against)
+                return self._push_one(url, named, version, forced, adapter, None if forced else against, files)
 
             return self._retrying(attempt)
 
-        return self._each_replica(one, urls)
+        try:
+            return self._each_replica(one, urls)
+        finally:
+            files.close()
 
     @property
     def push_bytes(self) -> int:
@@ -350,11 +354,13 @@ class RolloutClient:
             raise ValueError(f"delta_weight_updates needs rollout servers of one dtype, these hold {dtypes}: start them with one --dtype, or turn it off")
         return getattr(torch, dtypes[0]) if len(dtypes) == 1 else None
 
-    def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool, adapter: bool, against: "_Delta | None" = None) -> int:
+    def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool, adapter: bool, against: "_Delta | None" = None,
+                  files: "_SharedFiles | None" = None) -> int:  # fmt: skip
         """One update to one server. Updates to a server run one at a time (a server keeps only
         its newest unfinished update), each bound to the process it began on; an update that
         process already committed (a resync by the generating thread) is not sent twice.
-        `against`: a delta from the version that server holds, if it holds it."""
+        `against`: a delta from the version that server holds, if it holds it. `files`: the
+        push's shared-memory files, which the servers on this host map, made once for them all."""
         with self._push_locks[url]:
             instance = self._instances.get(url)
             if instance is not None and self._committed.get(url) == (instance, version):
@@ -369,16 +375,17 @@ class RolloutClient:
             body = {"version": version, "force": force, "num_tensors": len(named), "adapter": adapter, "run_id": self.run and self.run["run_id"],
                     "keep_base": self.delta and not adapter and not isinstance(named, StagedWeights)}  # fmt: skip
             uid = self._call("POST", url, "/weights/begin", "a weight update", instance, json=body)["update_id"]
-            for bucket in named.buckets() if isinstance(named, StagedWeights) else buckets(named, self.bucket_bytes):
+            files = files or _SharedFiles()
+            for i, bucket in enumerate(named.buckets() if isinstance(named, StagedWeights) else buckets(named, self.bucket_bytes)):
                 self._sent.append(sum(t.numel() * t.element_size() for t in bucket.values()))
                 if self._use_shm(url):
-                    fd = sealed_memfd(safetensors_stream(bucket)[1])
+                    # The server opens our descriptor through /proc and maps it; the seals make
+                    # the bytes immutable, so nothing can change them once they are staged.
+                    fd = files.get(i, bucket)
                     try:
-                        # The server opens our descriptor through /proc and maps it; the seals make
-                        # the bytes immutable, so nothing can change them once they are staged.
                         self._call("POST", url, f"/weights/{uid}/file", "a weight file", instance, json={"path": f"/proc/{os.getpid()}/fd/{fd}"})
                     finally:
-                        os.close(fd)
+                        files.taken(i, url)
                 else:
                     self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", instance, data=_Body(bucket),
                                headers={"Content-Type": "application/octet-stream"})  # fmt: skip
@@ -556,6 +563,37 @@ class _Delta:
             if self._fingerprint is None:
                 self._fingerprint = fingerprint(self._new)
             return self._fingerprint
+
+
+class _SharedFiles:
+    """A push's buckets as sealed memfds, each written once for the `users` servers on this host
+    that take it (three servers' push took 6.9 times one's when each had its own), and closed
+    once they all staged it, or when the push ends (a server taken out mid-push never does)."""
+
+    def __init__(self, users: int = 1):
+        self.users = users
+        self._lock = threading.Lock()
+        self._files: dict[int, tuple[int, set[str]]] = {}  # bucket index -> (descriptor, the servers that staged it)
+
+    def get(self, i: int, bucket: dict[str, torch.Tensor]) -> int:
+        with self._lock:
+            if i not in self._files:
+                self._files[i] = (sealed_memfd(safetensors_stream(bucket)[1]), set())
+            return self._files[i][0]
+
+    def taken(self, i: int, url: str) -> None:
+        with self._lock:
+            fd, staged = self._files[i]
+            staged.add(url)
+            if len(staged) >= self.users:
+                os.close(fd)
+                del self._files[i]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._files.values():
+                os.close(fd)
+            self._files.clear()
 
 
 class _Body:
