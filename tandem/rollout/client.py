@@ -567,8 +567,8 @@ class _Delta:
 
 class _SharedFiles:
     """A push's buckets as sealed memfds, each written once for the `users` servers on this host
-    that take it (three servers' push took 6.9 times one's when each had its own), and closed
-    once they all staged it, or when the push ends (a server taken out mid-push never does)."""
+    that take it, not once per server, and closed once they all staged it, or when the push ends
+    (a server taken out mid-push never does)."""
 
     def __init__(self, users: int = 1):
         self.users = users
