@@ -264,6 +264,8 @@ class RolloutClient:
                 raise RolloutServerError(f"no rollout server is left: {gone}; none came back within rollout_server_timeout={self.server_timeout}s",
                                          unreachable=True)  # fmt: skip
             plan = self.fleet.plan(prompts, todo)
+            if not plan:  # the last replica went down since: wait for one again
+                continue
             todo = []
             for (url, part), got in zip(plan, self._each_replica(lambda p: self._generate_part(p[0], p[1], prompts, params, seeds, min_version, version_timeout), plan)):
                 if got is None:
@@ -567,33 +569,40 @@ class _Delta:
 
 class _SharedFiles:
     """A push's buckets as sealed memfds, each written once for the `users` servers on this host
-    that take it, not once per server, and closed once they all staged it, or when the push ends
-    (a server taken out mid-push never does)."""
+    that take it, not once per server, and closed once they all staged it, or once the push ended
+    and no request that names it is in flight. A request to a server taken out mid-push may still
+    be waiting there: its descriptor stays open until it ends, so the server, resumed, cannot open
+    another file that reused the number."""
 
     def __init__(self, users: int = 1):
         self.users = users
         self._lock = threading.Lock()
-        self._files: dict[int, tuple[int, set[str]]] = {}  # bucket index -> (descriptor, the servers that staged it)
+        self._files: dict[int, list] = {}  # bucket index -> [descriptor, the servers that staged it, requests in flight]
+        self._ended = False
 
     def get(self, i: int, bucket: dict[str, torch.Tensor]) -> int:
         with self._lock:
             if i not in self._files:
-                self._files[i] = (sealed_memfd(safetensors_stream(bucket)[1]), set())
+                self._files[i] = [sealed_memfd(safetensors_stream(bucket)[1]), set(), 0]
+            self._files[i][2] += 1
             return self._files[i][0]
 
     def taken(self, i: int, url: str) -> None:
         with self._lock:
-            fd, staged = self._files[i]
-            staged.add(url)
-            if len(staged) >= self.users:
-                os.close(fd)
+            entry = self._files[i]
+            entry[1].add(url)
+            entry[2] -= 1
+            if entry[2] == 0 and (self._ended or len(entry[1]) >= self.users):
+                os.close(entry[0])
                 del self._files[i]
 
     def close(self) -> None:
         with self._lock:
-            for fd, _ in self._files.values():
-                os.close(fd)
-            self._files.clear()
+            self._ended = True
+            for i, (fd, _, flying) in list(self._files.items()):
+                if flying == 0:
+                    os.close(fd)
+                    del self._files[i]
 
 
 class _Body:

@@ -145,14 +145,14 @@ class Fleet:
         balance, filled first with the sequences whose prefix it holds (the longest prompt it
         served that the sequence begins with), then in order."""
         urls = self.up()
-        if len(urls) == 1:
-            return [(urls[0], list(indices))]
+        if len(urls) <= 1:
+            return [(url, list(indices)) for url in urls]
         quota = dict(zip(urls, self.balance.shares(len(indices), urls)))
         parts: dict[str, list[int]] = {u: [] for u in urls}
         rest = []
         for i in indices:
             home = None
-            for key in _prefixes(prompts[i]):
+            for key in _prefixes(prompts[i]) if self.homes else ():
                 home = self.homes.get(key, home)
             if home in quota and len(parts[home]) < quota[home]:
                 parts[home].append(i)

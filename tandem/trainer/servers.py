@@ -130,10 +130,12 @@ class Servers:
     def _verify(self, policy: Named, version: int) -> None:
         """Hash our weights in each server's dtype (its copy rounds the same way) and compare;
         adapters are hashed as sent (the server keeps them as received)."""
-        urls = self.client.fleet.up()  # a replica taken out gets the weights whole, checked, when it is put back
+        urls = self.client.fleet.up()  # a replica taken out gets the last weights whole when it is put back
         served = self.client.fingerprints(urls)
-        mine_each = [fingerprint(policy)] * len(served) if self.options.adapters else self._served_as(policy)
-        for url, fp, mine in zip(urls, served, [mine_each[self.options.urls.index(u)] for u in urls]):
+        all_urls = self.options.urls
+        mine_each = dict(zip(all_urls, [fingerprint(policy)] * len(all_urls) if self.options.adapters else self._served_as(policy)))
+        for url, fp in zip(urls, served):
+            mine = mine_each[url]
             if fp.get(self._key) != mine or fp["version"] != version:
                 raise RolloutServerError(
                     f"rollout server {url} holds different weights after the push of version {version} "
