@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import ENV, Server, command, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
-from tandem.rollout.client import RolloutClient
+from tandem.rollout.client import RolloutClient, RolloutServerError
 from tandem.rollout.fleet import EvenSplit, Fleet, Timed
 from tandem.rollout.types import SamplingParams
 from test_async import DIGITS, base_args, read
@@ -152,5 +152,24 @@ def test_a_replica_that_stops_mid_call_is_worked_around_skipped_by_pushes_and_pu
     finally:
         client.close()
         os.kill(servers[2].proc.pid, signal.SIGCONT)
+        for s in servers:
+            s.stop()
+
+
+def test_a_fleet_with_no_replica_left_stops_the_call_naming_each_and_why(tiny_model):
+    servers = [Server(tiny_model, env=ONE_THREAD) for _ in range(2)]
+    client = RolloutClient([s.url for s in servers], server_timeout=3)
+    try:
+        client.wait_until_ready()
+        client.watch(interval=0.2)
+        for s in servers:
+            s.kill()
+        start = time.monotonic()
+        with pytest.raises(RolloutServerError, match="no rollout server is left") as failed:
+            client.generate([[1, 5, 7]], SamplingParams(max_tokens=4), [0])
+        assert time.monotonic() - start < 3 + 10  # rollout_server_timeout, and the request that met the first refusal
+        assert all(f"{s.url} down for" in str(failed.value) for s in servers) and "refused connections" in str(failed.value)
+    finally:
+        client.close()
         for s in servers:
             s.stop()
