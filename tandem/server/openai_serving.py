@@ -14,6 +14,8 @@ import secrets
 import time
 import uuid
 
+from jinja2 import TemplateError
+
 from tandem.rollout.sampling import mix64
 from tandem.rollout.tools import INVALID_CALL, TOOL_PARSERS
 from tandem.rollout.types import TEMPERATURE_RANGE, Completion, SamplingParams
@@ -43,10 +45,14 @@ class OpenAIServing:
         assistant's turn opened."""
         messages = [_template_message(m) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        text = self._tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+        try:
+            text = self._tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+        except TemplateError as exc:  # a template that needs what OpenAI's API leaves optional (a tool's parameters): the request's fault
+            raise ValueError(f"messages, tools: the model's chat template cannot render them ({type(exc).__name__}: {exc})") from None
         return self._tokenizer()(text, add_special_tokens=False)["input_ids"]
 
     async def chat(self, req: O.ChatCompletionRequest) -> O.ChatCompletion:
+        self._check_model(req)  # before the template: another model's request is a 404 whatever its messages
         prompt = self.chat_prompt(req)
         outs = await self._generate(prompt, req)
         parse = req.tools and req.tool_choice != "none"
@@ -127,9 +133,12 @@ class OpenAIServing:
             self.service._need_engine()  # NotReady: 503, as every route before the model has loaded
         return self.tokenizer
 
-    async def _generate(self, prompt: list[int], req) -> list[Completion]:
+    def _check_model(self, req) -> None:
         if req.model != self.model_name:
             raise ModelNotFound(f"model {req.model!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)")
+
+    async def _generate(self, prompt: list[int], req) -> list[Completion]:
+        self._check_model(req)
         room = self.service.max_model_len - len(prompt)
         if room < 1:
             raise ValueError(f"the prompt has {len(prompt)} tokens, as many as the model's context ({self.service.max_model_len}) holds")
