@@ -36,6 +36,7 @@ LONGEST_FIRST = [
     "test_fsdp.py",  # 172
     "test_resume.py",  # 132
     "test_lora.py",  # 87
+    "test_fleet.py",  # 100: three servers, two training runs of 1 and of 2 processes
     "test_multiturn.py",  # 53
     "test_server.py",  # 33
     "test_rewards.py",  # 24

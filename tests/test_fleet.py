@@ -5,9 +5,8 @@ real signals (SIGKILL, SIGSTOP and SIGCONT)."""
 import os
 import signal
 import subprocess
-import time
-
 import threading
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -69,10 +68,12 @@ def test_a_sequence_goes_back_to_the_replica_that_served_its_prefix_within_its_s
     assert fleet.events["readded"] == 1 and fleet.wait_for_one(0) is None
 
 
-def test_a_fleet_that_loses_one_replica_and_has_one_stopped_trains_as_an_undisturbed_one(tiny_model, tmp_path):
-    """Three replicas; past step 2 one is killed and one stopped (SIGSTOP); once the trainer took
-    both out, the stopped one resumes (SIGCONT). The run finishes with the same completions, metrics and weights as a run whose
-    fleet stayed whole, and its metrics count each event."""
+@pytest.mark.parametrize("procs", [1, 2])
+def test_a_fleet_that_loses_one_replica_and_has_one_stopped_trains_as_an_undisturbed_one(tiny_model, tmp_path, procs):
+    """Three replicas; past step 2 one is killed and one stopped (SIGSTOP); once every training
+    process took both out, the stopped one resumes (SIGCONT). The run finishes with the same
+    completions, metrics and weights as a run whose fleet stayed whole, and its metrics count
+    each event. With 2 processes each takes servers out on its own, and only the first pushes."""
     (tmp_path / "digits.py").write_text(DIGITS)
     data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
     servers = [Server(tiny_model, env=ONE_THREAD) for _ in range(3)]
@@ -81,16 +82,17 @@ def test_a_fleet_that_loses_one_replica_and_has_one_stopped_trains_as_an_undistu
         # the batch a completion shares, do not enter the loss (docs/async.md)
         extra = ["--max_steps", "12", "--save_steps", "12", "--max_completion_length", "48", "--async_generate", "true", "--rollout_mode", "server",
                  "--off_policy_correction", "none", "--rollout_replica_timeout", "3", "--rollout_server_urls", *[s.url for s in servers]]  # fmt: skip
-        train(1, base_args(tiny_model, data, tmp_path / "whole", 32, *extra))
+        train(procs, base_args(tiny_model, data, tmp_path / "whole", 32 // procs, *extra))
         out = tmp_path / "disturbed"
         log = tmp_path / "stderr.txt"
         with log.open("w") as stderr:
-            trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 32, *extra)), stderr=stderr, env=ENV)
+            trainer = subprocess.Popen(command(procs, base_args(tiny_model, data, out, 32 // procs, *extra)), stderr=stderr, env=ENV)
         try:
             wait_for_step(out, 2, trainer)
             servers[1].kill()
             os.kill(servers[2].proc.pid, signal.SIGSTOP)
-            wait_for(lambda: log.read_text().count("taken out of the fleet") == 2, trainer)  # within a probe interval and rollout_replica_timeout
+            # each process takes both out within a probe interval and rollout_replica_timeout
+            wait_for(lambda: log.read_text().count("taken out of the fleet") == 2 * procs, trainer)
             os.kill(servers[2].proc.pid, signal.SIGCONT)
             trainer.wait(timeout=240)
         finally:
@@ -108,9 +110,10 @@ def test_a_fleet_that_loses_one_replica_and_has_one_stopped_trains_as_an_undistu
     a, b = load_file(tmp_path / "whole/checkpoint-12/model.safetensors"), load_file(out / "checkpoint-12/model.safetensors")
     assert all(a[k].equal(b[k]) for k in a)
     assert whole[-1]["servers/down"] == 0 and whole[-1]["servers/up"] == 3
-    # The run may end before a probe finds the stopped one answering again: putting back is tested below.
+    # The run may end before a probe finds the stopped one answering again, and the stop may fall
+    # between two calls (nothing in flight to generate again): both are tested below, by the client.
     last = disturbed[-1]
-    assert last["servers/down"] == 2 and last["servers/up"] == 1 + last["servers/readded"] and last["servers/reissued"] > 0, last
+    assert last["servers/down"] == 2 and last["servers/up"] == 1 + last["servers/readded"], last
 
 
 def wait_for(condition, proc: subprocess.Popen, limit: float = 60) -> None:
@@ -132,7 +135,7 @@ def test_a_replica_that_stops_mid_call_is_worked_around_skipped_by_pushes_and_pu
         client.claim("fleet-test", "test")  # the client that pushes: it puts a replica back with the last weights
         client.watch(interval=0.2)
         client.push_weights(weights, 1)
-        prompts, seeds, params = [[1, 5 + i % 20, 7, 9] for i in range(48)], list(range(100, 148)), SamplingParams(max_tokens=200)
+        prompts, seeds, params = [[1, 5 + i % 20, 7, 9] for i in range(48)], list(range(100, 148)), SamplingParams(max_tokens=400)
         whole = client.generate(prompts, params, seeds, min_version=1)
         plan = dict(client.fleet.plan(prompts, list(range(48))))
         assert all(plan.get(s.url) for s in servers), plan  # each replica has a part of the next call
