@@ -115,6 +115,7 @@ class RolloutClient:
         self.run: dict | None = None  # the run this client pushes for (claim): its id goes with every update
         self._run_lock = threading.Lock()  # a renewal of the claim never lands after its release
         self._closed = threading.Event()  # ends watch()'s and the claim's renewal threads
+        self._threads: list[threading.Thread] = []  # those threads, joined by close()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -209,7 +210,11 @@ class RolloutClient:
         raised with its cause. Daemon threads, not a ThreadPoolExecutor: Python joins an executor's
         threads at exit, so a request in flight (a server that holds it) kept a failing trainer
         alive for up to rollout_request_timeout, and under torchrun held the other ranks with it."""
-        return [f.result() for f in _started(fn, items)]
+        started = _started(fn, items)
+        results = [future.result() for future, _ in started]
+        for _, thread in started:
+            thread.join()  # it ends once its result is set; none is left freeing tensors at the interpreter's exit (close)
+        return results
 
     def _each_replica(self, fn, items: list) -> list:
         """_each, over a call's replicas (each item a url, or a tuple that begins with one); with
@@ -220,7 +225,7 @@ class RolloutClient:
             return self._each(fn, items)
         urls = [item if isinstance(item, str) else item[0] for item in items]
         results = []
-        for url, future in zip(urls, _started(fn, items)):
+        for url, (future, _) in zip(urls, _started(fn, items)):
             while not future.done() and self.fleet.is_up(url):
                 wait([future], timeout=0.2)
             if not future.done() or (future.exception() is not None and _unreachable(future.exception())):
@@ -416,7 +421,7 @@ class RolloutClient:
         self.run = {"run_id": run_id, "name": name}
         lease = min(hold.get("lease_seconds", math.inf) for hold in self._each(self._claim_one, self.urls))
         if math.isfinite(lease):
-            threading.Thread(target=self._renew, args=(lease / 4,), name="tandem-claim-renewal", daemon=True).start()
+            self._start(self._renew, lease / 4, name="tandem-claim-renewal")
 
     def _claim_one(self, url: str) -> dict:
         return self._call("POST", url, "/run", "this run's claim on it", json=self.run)
@@ -474,7 +479,12 @@ class RolloutClient:
             return
         self._watching = True
         for url in self.urls:
-            threading.Thread(target=self._watch_one, args=(url, interval), name="tandem-server-watch", daemon=True).start()
+            self._start(self._watch_one, url, interval, name="tandem-server-watch")
+
+    def _start(self, method, *args, name: str) -> None:
+        thread = threading.Thread(target=method, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _watch_one(self, url: str, interval: float) -> None:
         seen = time.monotonic()  # when its process last answered
@@ -520,19 +530,27 @@ class RolloutClient:
                     return
             health = self._call("GET", url, "/health", "a health check")
 
-    def close(self) -> None:
-        """Ends the watch; nothing else to wait for: a request still in flight ends with its daemon thread."""
+    def close(self, timeout: float = 5.0) -> None:
+        """End the watch and the claim's renewal, and wait for their threads, `timeout` seconds in
+        all: one in a probe waits for its answer. A thread left running holds this client, and
+        through it the last pushed weights; freed in that thread while the interpreter shuts down,
+        a tensor aborts the process ("terminate called without an active exception") after a run
+        that succeeded. A request still in flight ends with its daemon thread."""
         self._closed.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _started(fn, items: Iterable) -> list[Future]:
-    """fn(item) for each item, each in a daemon thread of its own; their futures."""
-    futures = []
+def _started(fn, items: Iterable) -> list[tuple[Future, threading.Thread]]:
+    """fn(item) for each item, each in a daemon thread of its own; their futures and threads."""
+    started = []
     for item in items:
         future: Future = Future()
-        threading.Thread(target=_settle, args=(future, fn, item), name="tandem-client", daemon=True).start()
-        futures.append(future)
-    return futures
+        thread = threading.Thread(target=_settle, args=(future, fn, item), name="tandem-client", daemon=True)
+        thread.start()
+        started.append((future, thread))
+    return started
 
 
 def _settle(future: Future, fn, item) -> None:
