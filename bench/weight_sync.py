@@ -18,11 +18,17 @@ per push the bytes sent and the seconds, the fraction of the server dtype's word
 and whether the server's fingerprint equals the trainer's weights in its dtype.
 
 --replicas N: N bf16 servers (one engine thread each) as one fleet. Pushes to the first alone
-and to all N alternate, --repeats of each, over the default transport (shared memory here);
-prints the median seconds of each and their ratio.
+and to all N, in two alternating blocks of --warmup + --repeats pushes each, over the default
+transport (shared memory here); prints the median seconds of the pushes past each block's
+first --warmup, and their ratio. Blocks, not single pushes alternating: each push writes a
+fresh gigabyte of shared memory, and the servers let go of the last one when the next commits.
+Pushes to the same servers in a row (as a run makes them) reuse the pages the last push freed;
+alternating, a push to all N never finds pages just freed, and on this VM memory not touched
+lately costs up to 5 s a gigabyte.
 """
 
 import argparse
+import statistics
 import tempfile
 import time
 
@@ -50,6 +56,7 @@ def main() -> None:
     ap.add_argument("--delta", action="store_true", help="delta weight updates against whole ones")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="with --delta: the servers' dtypes")
     ap.add_argument("--replicas", type=int, default=0, help="pushes to one server against pushes to this many")
+    ap.add_argument("--warmup", type=int, default=1, help="with --replicas: pushes at the start of each block not counted")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -60,7 +67,7 @@ def main() -> None:
     if args.delta:
         return deltas(model, args.dtypes, args.repeats)
     if args.replicas:
-        return fleet_pushes(model, args.replicas, args.repeats)
+        return fleet_pushes(model, args.replicas, args.repeats, args.warmup)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         build_tokenizer().save_pretrained(tmp)
@@ -90,7 +97,7 @@ def main() -> None:
         print(f"{transport:<10} {median:>9.2f} {gbs:>14.2f} {best:>12.2f} {'match' if ok else 'MISMATCH':>12}")
 
 
-def fleet_pushes(model, replicas: int, repeats: int) -> None:
+def fleet_pushes(model, replicas: int, repeats: int, warmup: int) -> None:
     named = list(model.named_parameters())
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
@@ -100,19 +107,24 @@ def fleet_pushes(model, replicas: int, repeats: int) -> None:
         try:
             one, fleet = RolloutClient(urls[:1], server_timeout=300), RolloutClient(urls, server_timeout=300)
             times: dict[str, list[float]] = {"one": [], "all": []}
-            for version in range(1, repeats + 1):
+            warm: dict[str, list[float]] = {"one": [], "all": []}
+            version = 0
+            for _ in range(2):  # blocks of each, alternating
                 for name, client in (("one", one), ("all", fleet)):
-                    t = time.perf_counter()
-                    client.push_weights(named, version, force=True)  # force: the first server takes each version twice
-                    times[name].append(time.perf_counter() - t)
+                    for i in range(warmup + repeats):
+                        version += 1
+                        t = time.perf_counter()
+                        client.push_weights(named, version, force=True)  # force: the first server takes versions of both clients
+                        (warm if i < warmup else times)[name].append(time.perf_counter() - t)
             served = {requests.get(u + "/weights/fingerprint", timeout=300).json()["fingerprint"] for u in urls}
             mine = fingerprint([(n, t.to(torch.bfloat16)) for n, t in named])
         finally:
             for proc, _ in servers:
                 proc.terminate()
                 proc.wait(timeout=30)
-    one_s, all_s = (sorted(v)[len(v) // 2] for v in times.values())
-    print(f"bf16 servers, {repeats} pushes of each, alternating; median seconds a push (every replica made live)")
+    one_s, all_s = (statistics.median(v) for v in times.values())
+    print(f"bf16 servers; two blocks of {warmup} + {repeats} pushes to each, alternating; median seconds a push (every replica made live)")
+    print(f"the first {warmup} of each block, not counted: 1 replica {[round(t, 2) for t in warm['one']]}; {replicas} replicas {[round(t, 2) for t in warm['all']]}")
     print(f"1 replica: {one_s:.2f} s; {replicas} replicas: {all_s:.2f} s ({all_s / one_s:.2f}x); fingerprints {'match' if served == {mine} else 'MISMATCH'}")
     print(f"each push, in order: 1 replica {[round(t, 2) for t in times['one']]}; {replicas} replicas {[round(t, 2) for t in times['all']]}")
 
