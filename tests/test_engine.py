@@ -156,6 +156,8 @@ def test_large_linears_decode_through_onednn_to_the_same_tokens(engine, monkeypa
     ops = {event.key for event in prof.key_averages()}
     assert "mkldnn::_linear_pointwise" in ops and "aten::mm" not in ops and "aten::addmm" not in ops
     assert ("mkldnn::_reorder_linear_weight" in ops) == pack
+    # The layers' forward was swapped for the call only (linears.LayerLinears): the trainer's gets nn.Linear's.
+    assert not any("forward" in vars(m) for m in base.model.modules() if isinstance(m, torch.nn.Linear))
     for a, b in zip(blas, onednn):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

@@ -222,9 +222,9 @@ class TransformersEngine:
         """How the large weights' matmuls run for a call (tandem.linears): packed where the call
         decodes enough tokens to pay for packing them, or where the packs are kept."""
         if not self.keep_packed:
-            return fast_linears(self.model, pack=max_tokens >= PACK_MIN_TOKENS and self.all_done is None)
+            return fast_linears(self.model, pack=max_tokens >= PACK_MIN_TOKENS and self.all_done is None, layers=True)
         if self._packed is None:
-            self._packed = fast_linears(self.model, pack=True)
+            self._packed = fast_linears(self.model, pack=True, layers=True)
         return self._packed
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], idle: bool = False) -> list[Completion]:
