@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from tandem import linears
 from tandem.engines import engine as engine_module
 from tandem.engines.engine import TransformersEngine
-from tandem.rollout.sampling import filter_logits, sample
+from tandem.rollout import sampling
+from tandem.rollout.sampling import exponential_noise, filter_logits, sample
 from tandem.rollout.types import Rollout, SamplingParams
 from tandem.trainer.batch import PrefixSharingLM, collate, completion_logprobs
 
@@ -99,6 +100,20 @@ def test_sample_follows_the_distribution():
     gens = [torch.Generator().manual_seed(i) for i in range(4000)]
     freq = sample(logits, gens).float().mean().item()
     assert abs(freq - 0.75) < 0.03
+
+
+def test_the_sampling_noise_is_each_generators_own_exponential_draws():
+    # exponential_noise draws through uniform_ where that gives exponential_'s values (checked
+    # once per process); either way each row is exactly what its generator's exponential_ gives
+    # (the stream every earlier run sampled with), and the generator ends in the same state.
+    assert sampling._exponential_by_uniform(), "this torch's exponential_ is not -log1p(-u) of uniform_'s doubles: sampling draws 3x slower"
+    gens = [torch.Generator().manual_seed(s) for s in (3, 2**40 + 1, 77, 5)]
+    twins = [torch.Generator().manual_seed(s) for s in (3, 2**40 + 1, 77, 5)]
+    for width in (151_936, 5):
+        noise = exponential_noise(width, gens)
+        expected = torch.stack([torch.empty(width).exponential_(generator=g) for g in twins])
+        assert torch.equal(noise, expected)
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, twins))
 
 
 def test_filters():
