@@ -140,13 +140,14 @@ def run(config: str, bf16: bool, shape: str, seed: int, args, tmp: Path, model: 
 
 
 def report(shape: str, dtype: str, results: dict, matmul: int, prompt_tokens: float, peak: float) -> None:
-    trl = statistics.median(r["tokens_per_s"] for r in results["trl"])
+    trl = statistics.median(r["tokens_per_s"] for r in results["trl"]) if "trl" in results else None  # --configs without trl: no ratio
     print(f"\n{shape} shape, {dtype} (roofline {peak / 1e9:.0f} GFLOP/s); medians over seeds")
     print(f"{'configuration':<20} {'s/step':>7} {'tokens/s':>9} {'vs TRL':>7} {'generate s':>11} {'gen %roof':>9} "
           f"{'train s':>8} {'train %roof':>11} {'sync s':>7} {'wait s':>7} {'reward':>7}")  # fmt: skip
     for config, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        line = f"{config:<20} {med['step_s']:>7.3f} {med['tokens_per_s']:>9.0f} {med['tokens_per_s'] / trl:>6.2f}x"
+        ratio = f"{med['tokens_per_s'] / trl:>6.2f}x" if trl else f"{'':>7}"
+        line = f"{config:<20} {med['step_s']:>7.3f} {med['tokens_per_s']:>9.0f} {ratio}"
         if config != "trl":
             prefill = BATCH // G * prompt_tokens  # each distinct prompt once (prefix sharing)
             tokens = prefill + med["completion_tokens"]
