@@ -77,6 +77,24 @@ def test_the_completions_endpoint_takes_text_or_token_ids(client, tiny_model):
     assert by_text.choices[0].text == by_ids.choices[0].text and len(by_text.choices[0].logprobs.token_logprobs) == by_text.usage.completion_tokens
 
 
+# What vllm-router 0.1.17 writes into the requests it forwards (captured from it), beside the client's own fields.
+ROUTER_CHAT = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+               "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}  # fmt: skip
+ROUTER_COMPLETION = {"echo": False, "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False}
+
+
+def test_a_request_forwarded_by_vllm_router_is_answered_as_the_clients_own(client):
+    # vllm-router re-serialises each request with vLLM's and SGLang's switches at the values that
+    # ask for what tandem does anyway: accepted, with the answer the plain request gets.
+    api, model = client
+    plain = api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, seed=4)
+    routed = api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, seed=4, extra_body=ROUTER_CHAT)
+    assert routed.choices[0].message.content == plain.choices[0].message.content
+    plain = api.completions.create(model=model, prompt="3+4=", max_tokens=6, seed=4)
+    routed = api.completions.create(model=model, prompt="3+4=", max_tokens=6, seed=4, extra_body=ROUTER_COMPLETION)
+    assert routed.choices[0].text == plain.choices[0].text
+
+
 @pytest.mark.parametrize(
     "fields, named",
     [
@@ -84,6 +102,7 @@ def test_the_completions_endpoint_takes_text_or_token_ids(client, tiny_model):
         ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
         ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ({"extra_body": {"guided_json": {}}}, "guided_json"),
+        ({"extra_body": {"ignore_eos": True}}, "ignore_eos True is not supported"),
         # OpenAI's API leaves a tool's parameters optional; this model's template reads them (a 500 once, found by the fuzz test)
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "chat template cannot render them"),
     ],

@@ -21,6 +21,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 _ECHOED = ("refusal", "annotations", "audio", "function_call")
 
 
+# The value of each vLLM or SGLang switch that asks for what tandem does: stop strings cut from
+# the text, generation ended at EOS, special tokens left out of the text, no hidden states, a
+# new assistant turn.
+NEUTRAL = {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False, "continue_final_message": False}
+
+
 class _Request(BaseModel):
     # A field tandem does not know is an error naming it (OpenAI answers the same: 400).
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -97,12 +103,22 @@ class _Sampling(_Request):
     # What tandem cannot honour, refused when set to anything but the value that asks for nothing.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # vLLM's and SGLang's switches, which a router in front of several servers (vllm-router)
+    # writes into every request it forwards, at the values that ask for what tandem does anyway
+    # (NEUTRAL); any other value is refused, naming it.
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_hidden_states: bool = False
 
     @model_validator(mode="after")
     def _honoured(self):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ValueError(f"{name} is not supported (use repetition_penalty, vLLM's)")
+        for name, neutral in NEUTRAL.items():
+            if getattr(self, name, neutral) != neutral:
+                raise ValueError(f"{name} {getattr(self, name)} is not supported: tandem answers as with {name} {neutral}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
         return self
@@ -119,6 +135,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    continue_final_message: bool = False  # NEUTRAL
+    # With no reasoning parser there is no reasoning to separate: any value answers the same.
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
 
     @model_validator(mode="after")
     def _chat(self):
