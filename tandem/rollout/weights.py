@@ -81,16 +81,17 @@ class StagedWeights:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Group tensors into dicts of about bucket_bytes each (a tensor larger than that is alone)."""
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Group tensors into dicts of about bucket_bytes each (a tensor larger than that is alone),
+    on the CPU; with `dtype`, sized as they will be when cast to it, and left where they are."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     for name, t in named:
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.numel() * (dtype or t.dtype).itemsize
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
-        bucket[name] = t.detach().contiguous().cpu()
+        bucket[name] = t.detach() if dtype is not None else t.detach().contiguous().cpu()
         size += nbytes
     if bucket:
         yield bucket
@@ -208,17 +209,21 @@ _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 STREAM_PIECE = 16 * 2**20
 
 
-def safetensors_stream(tensors: dict[str, torch.Tensor]) -> tuple[int, Iterator[memoryview]]:
-    """(total bytes, pieces) of `tensors` in safetensors format; pieces point into the tensors."""
+def safetensors_stream(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> tuple[int, Iterator[memoryview]]:
+    """(total bytes, pieces) of `tensors` in safetensors format; pieces point into the tensors,
+    or with `dtype`, into each piece's copy in that dtype (cast a piece at a time, never whole)."""
+    def dtype_of(t: torch.Tensor) -> torch.dtype:
+        return dtype or t.dtype
+
     # Widest dtypes first, as the safetensors library writes them: every tensor's offset is then
     # a multiple of its item size, which the parser requires.
-    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
+    tensors = dict(sorted(tensors.items(), key=lambda kv: -dtype_of(kv[1]).itemsize))
     header, offset = {}, 0
     for name, t in tensors.items():
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"weight {name}: dtype {t.dtype} cannot be sent")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        if dtype_of(t) not in _DTYPES:
+            raise ValueError(f"weight {name}: dtype {dtype_of(t)} cannot be sent")
+        n = t.numel() * dtype_of(t).itemsize
+        header[name] = {"dtype": _DTYPES[dtype_of(t)], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format pads the header to 8-byte alignment
@@ -227,9 +232,15 @@ def safetensors_stream(tensors: dict[str, torch.Tensor]) -> tuple[int, Iterator[
     def pieces() -> Iterator[memoryview]:
         yield memoryview(prefix)
         for t in tensors.values():
-            raw = memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-            for lo in range(0, len(raw), STREAM_PIECE):
-                yield raw[lo : lo + STREAM_PIECE]
+            flat = t.detach().contiguous().reshape(-1)
+            if dtype_of(t) == t.dtype and flat.device.type == "cpu":
+                raw = memoryview(flat.view(torch.uint8).numpy())
+                for lo in range(0, len(raw), STREAM_PIECE):
+                    yield raw[lo : lo + STREAM_PIECE]
+                continue
+            step = max(1, STREAM_PIECE // dtype_of(t).itemsize)
+            for lo in range(0, len(flat), step):
+                yield memoryview(flat[lo : lo + step].to("cpu", dtype=dtype_of(t)).view(torch.uint8).numpy())
 
     return len(prefix) + offset, pieces()
 
