@@ -216,6 +216,19 @@ def test_safetensors_stream_and_parse_agree_with_the_library():
             parse_safetensors(bytearray(bad))
 
 
+@pytest.mark.quick
+def test_a_stream_cast_a_piece_at_a_time_is_the_cast_tensors_stream(monkeypatch):
+    # What a push to servers on this host writes into its files (client._SharedFiles.write):
+    # the weights cast to the servers' dtype piece by piece, the pieces smaller than a tensor here.
+    from tandem.rollout import weights
+
+    monkeypatch.setattr(weights, "STREAM_PIECE", 64)
+    tensors = {"w": torch.randn(10, 7), "b": torch.randn(3), "e": torch.zeros(0, 2)}
+    cast = b"".join(bytes(p) for p in weights.safetensors_stream(tensors, torch.bfloat16)[1])
+    whole = b"".join(bytes(p) for p in weights.safetensors_stream({k: t.to(torch.bfloat16) for k, t in tensors.items()})[1])
+    assert cast == whole and weights.safetensors_stream(tensors, torch.bfloat16)[0] == len(whole)
+
+
 def test_a_trainer_leaves_a_same_host_servers_cores_free(monkeypatch):
     from tandem.rollout.weights import host_id
     from tandem.trainer.setup import trainer_threads
