@@ -4,7 +4,10 @@
 A request field tandem cannot honour is refused (400, naming it), never ignored: a client that
 asks for `top_logprobs` or a forced tool call must not get something else without knowing. Fields
 OpenAI's own client sends back unchanged inside earlier messages (an assistant message's
-`refusal`, `annotations`, `audio`, `function_call`, all null) are accepted when null. Every
+`refusal`, `annotations`, `audio`, `function_call`, all null) are accepted when null, and so are
+vLLM's and SGLang's switches that a router writes into what it forwards, at the values that ask
+for what tandem does (NEUTRAL; the reasoning switches at any value: there is no reasoning to
+separate). Every
 response also carries the token ids of the prompt and of each completion (as vLLM's
 `return_token_ids` does), so a client can train on exactly the engine's tokens.
 """
