@@ -7,9 +7,8 @@ OpenAI's own client sends back unchanged inside earlier messages (an assistant m
 `refusal`, `annotations`, `audio`, `function_call`, all null) are accepted when null, and so are
 vLLM's and SGLang's switches that a router writes into what it forwards, at the values that ask
 for what tandem does (NEUTRAL; the reasoning switches at any value: there is no reasoning to
-separate). Every
-response also carries the token ids of the prompt and of each completion (as vLLM's
-`return_token_ids` does), so a client can train on exactly the engine's tokens.
+separate). Every response also carries the token ids of the prompt and of each completion (as
+vLLM's `return_token_ids` does), so a client can train on exactly the engine's tokens.
 """
 
 from typing import Literal
