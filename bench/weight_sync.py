@@ -20,11 +20,10 @@ and whether the server's fingerprint equals the trainer's weights in its dtype.
 --replicas N: N bf16 servers (one engine thread each) as one fleet. Pushes to the first alone
 and to all N, in two alternating blocks of --warmup + --repeats pushes each, over the default
 transport (shared memory here); prints the median seconds of the pushes past each block's
-first --warmup, and their ratio. Blocks, not single pushes alternating: each push writes a
-fresh gigabyte of shared memory, and the servers let go of the last one when the next commits.
-Pushes to the same servers in a row (as a run makes them) reuse the pages the last push freed;
-alternating, a push to all N never finds pages just freed, and on this VM memory not touched
-lately costs up to 5 s a gigabyte.
+first --warmup, and their ratio, then every push: blocks, as a run pushes to the same servers
+at every step (pushes alternating one by one put every slow push on one side, docs/benchmarks.md),
+and every push printed, as on this VM writing a fresh gigabyte of shared memory sometimes takes
+up to 5 s instead of half a second.
 """
 
 import argparse
