@@ -74,6 +74,12 @@ class OneDNNLinears(TorchFunctionMode):
         return None
 
 
+def plain_linear(layer: nn.Module) -> bool:
+    """An nn.Linear computing as nn.Linear does (not an fp32 head's patched forward, not an
+    adapter), with its weight and bias the only trainable parameters."""
+    return type(layer) is nn.Linear and "forward" not in vars(layer)
+
+
 def _large(w: torch.Tensor, bf16: bool) -> bool:
     """A weight the mode may take: fp32 (or bf16 where it takes bf16 matmuls), on a CPU, at
     least ONEDNN_MIN_WEIGHT elements."""
@@ -89,7 +95,7 @@ class LayerLinears:
 
     def __init__(self, module: nn.Module, pack: bool):
         self.mode = OneDNNLinears(pack)
-        self.layers = [m for m in module.modules() if type(m) is nn.Linear and "forward" not in vars(m) and _large(m.weight, self.mode.bf16)]
+        self.layers = [m for m in module.modules() if plain_linear(m) and _large(m.weight, self.mode.bf16)]
 
     def __enter__(self):
         for layer in self.layers:

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.trainer.head import plain_linear, write_weight_grad
+from tandem.linears import plain_linear
+from tandem.trainer.head import write_weight_grad
 
 # Tables from 64 MiB up (the Qwen2.5-0.5B shape's is 520 MiB): far more rows than a batch looks up.
 EMBEDDING_SPARSE_BYTES = 64 << 20

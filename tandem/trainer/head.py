@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tandem.algo import scaled
-from tandem.linears import fast_linears
+from tandem.linears import fast_linears, plain_linear
 
 # The fp32 logits of one chunk: 128 MiB, 220 tokens of a 151,936-token vocabulary (a few such
 # buffers live at once: logits, softmax, their gradient). Its four matmuls (logits, their
@@ -140,12 +140,6 @@ def write_weight_grad(head: nn.Linear) -> None:
     accumulator alone, which adds it into weight.grad in place. Hooks on the weight see that share
     only, and DDP's reducer has not been tried with it: one process, unsharded."""
     head.weight_grad_in_place = True
-
-
-def plain_linear(head: nn.Module) -> bool:
-    """An nn.Linear computing as nn.Linear does (not an fp32 head's patched forward, not an
-    adapter), with its weight and bias the only trainable parameters."""
-    return type(head) is nn.Linear and "forward" not in vars(head)
 
 
 def _linear_backward(head: nn.Linear, weight, h, tokens, g_lp, g_ent, temperature: float, grad_params: list[torch.Tensor]) -> torch.Tensor:

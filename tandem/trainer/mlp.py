@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import activations
 
-from tandem.trainer.head import plain_linear
+from tandem.linears import plain_linear
 
 # What transformers' "silu" is (its own class in recent releases, torch's before).
 SILU = (nn.SiLU, *[c for c in (getattr(activations, "SiLUActivation", None),) if c is not None])
