@@ -77,7 +77,7 @@ def exponential_noise(width: int, generators: list[torch.Generator]) -> torch.Te
         uniform = torch.empty(width, dtype=torch.float64) if by_uniform else None
         for i in range(first, len(generators), workers):
             if by_uniform:
-                noise[i] = uniform.uniform_(generator=generators[i]).neg_().log1p_().neg_()  # rounded to float as exponential_ rounds
+                noise[i] = _exponential_from_uniform(uniform, generators[i])  # rounded to float as exponential_ rounds
             else:
                 noise[i].exponential_(generator=generators[i])
 
@@ -88,6 +88,11 @@ def exponential_noise(width: int, generators: list[torch.Generator]) -> torch.Te
     return noise
 
 
+def _exponential_from_uniform(buffer: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """-log1p(-u) of the uniform doubles `generator` draws, in `buffer` (float64)."""
+    return buffer.uniform_(generator=generator).neg_().log1p_().neg_()
+
+
 @functools.cache
 def _exponential_by_uniform() -> bool:
     """Whether this torch's exponential_ on a CPU gives -log1p(-u) of uniform_'s doubles, rounded
@@ -96,7 +101,7 @@ def _exponential_by_uniform() -> bool:
     for seed in (0, 1, 2**47 + 5):
         want, mine = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         expected = torch.empty(4096).exponential_(generator=want)
-        got = torch.empty(4096, dtype=torch.float64).uniform_(generator=mine).neg_().log1p_().neg_().float()
+        got = _exponential_from_uniform(torch.empty(4096, dtype=torch.float64), mine).float()
         if not (torch.equal(expected, got) and torch.equal(want.get_state(), mine.get_state())):
             return False
     return True
