@@ -1,5 +1,6 @@
 """The rollout server as a real process on a loopback port, and the trainer against it."""
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -14,6 +15,7 @@ from safetensors.torch import save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import HAVE_VLLM, KEY, LIMITS, Server, cli_here, free_port, run_cli
+from tandem.aio import in_own_thread
 from tandem.rollout.client import RolloutClient, RolloutServerError
 from tandem.engines.engine import TransformersEngine
 from tandem.rollout.types import SamplingParams
@@ -243,6 +245,28 @@ def test_a_trainer_leaves_a_same_host_servers_cores_free(monkeypatch):
     assert trainer_threads([{**here, "device": "cuda"}], 1) is None  # a GPU server computes elsewhere
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert trainer_threads([here], 1) is None  # the user's own choice stands
+
+
+@pytest.mark.quick
+def test_the_servers_weight_work_runs_in_a_thread_that_has_ended_when_it_returns():
+    # The weight routes stage and commit through in_own_thread: a live thread that once ran a
+    # parallel torch op keeps an OpenMP team, and a second team slowed every op of the engine's
+    # decode by a third. A pooled thread would still be alive after the call.
+    ran = []
+
+    def work(n: int) -> float:
+        ran.append(threading.current_thread())
+        return torch.ones(n).log1p_().sum().item()  # past torch's grain size: a parallel op
+
+    async def calls():
+        value = await in_own_thread(work, 1 << 16)
+        with pytest.raises(ZeroDivisionError):
+            await in_own_thread(lambda: 1 / 0)
+        return value
+
+    assert asyncio.run(calls()) == pytest.approx((1 << 16) * 0.6931471805599453, rel=1e-6)
+    ran[0].join(timeout=5)
+    assert ran[0] is not threading.main_thread() and not ran[0].is_alive()
 
 
 @pytest.mark.quick

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from tandem.aio import in_own_thread
 from tandem.server import openai_protocol as O
 from tandem.server import protocol as P
 from tandem.server.openai_serving import ModelNotFound, OpenAIServing
@@ -289,7 +290,7 @@ def _weight_routes(service: RolloutService) -> APIRouter:
     }
 
     async def received(update_id: str, request: Request, stage) -> P.Staged:
-        """A chunk's body handed to `stage` (in a worker thread). The update and its room are
+        """A chunk's body handed to `stage` (in a thread of its own: aio.in_own_thread says why). The update and its room are
         checked before a byte of the body is read or allocated."""
         declared = request.headers.get("content-length")
         if declared is None:
@@ -298,7 +299,7 @@ def _weight_routes(service: RolloutService) -> APIRouter:
         service.reserve(update_id, nbytes)
         try:
             body = await _read_body(request, nbytes)
-            return P.Staged(staged=await run_in_threadpool(stage, body))
+            return P.Staged(staged=await in_own_thread(stage, body))
         except BaseException:
             service.unreserve(update_id, nbytes)  # a chunk refused or cut off holds no room
             raise
@@ -327,17 +328,17 @@ def _weight_routes(service: RolloutService) -> APIRouter:
     @router.post("/weights/{update_id}/file", response_model=P.Staged,
                  responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 413: "more than the update can hold"}))  # fmt: skip
     async def from_file(update_id: str, req: P.WeightFile):
-        return P.Staged(staged=await run_in_threadpool(_stage_file, service, update_id, req.path))
+        return P.Staged(staged=await in_own_thread(_stage_file, service, update_id, req.path))
 
     @router.post("/weights/{update_id}/commit", response_model=P.WeightCommitResult,
                  responses=_responses(_AUTH, _ENGINE, {400: "tensors missing", 404: "no such update", 409: "not the next version"}))  # fmt: skip
-    def commit(update_id: str, req: P.WeightCommit | None = None):
-        version = service.commit(update_id, req and req.fingerprint)
+    async def commit(update_id: str, req: P.WeightCommit | None = None):
+        version = await in_own_thread(service.commit, update_id, req and req.fingerprint)
         return P.WeightCommitResult(version=version, fingerprint=(req and req.fingerprint) or "")
 
     @router.get("/weights/fingerprint", response_model=P.Fingerprint, response_model_exclude_none=True, responses=_responses(_AUTH, _ENGINE))
-    def weights_fingerprint():
-        return P.Fingerprint(**service.fingerprint())
+    async def weights_fingerprint():
+        return P.Fingerprint(**await in_own_thread(service.fingerprint))
 
     return router
 
