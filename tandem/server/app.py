@@ -290,8 +290,8 @@ def _weight_routes(service: RolloutService) -> APIRouter:
     }
 
     async def received(update_id: str, request: Request, stage) -> P.Staged:
-        """A chunk's body handed to `stage` (in a thread of its own: aio.in_own_thread says why). The update and its room are
-        checked before a byte of the body is read or allocated."""
+        """A chunk's body handed to `stage` (in a thread of its own: aio.in_own_thread says why).
+        The update and its room are checked before a byte of the body is read or allocated."""
         declared = request.headers.get("content-length")
         if declared is None:
             raise HTTPException(411, "a weight chunk needs a Content-Length header")
