@@ -23,7 +23,8 @@ engine (LLM.generate, ignore_eos, its CPU attention and GEMM kernels, its defaul
 the .venv-vllm interpreter, fp32 and bf16. --baseline: after each timing, the same decode as
 the engine made it before two changes that keep its tokens (the large matmuls routed by a torch
 function mode, where each layer's forward is now swapped; the sampling noise drawn by
-exponential_, now through uniform_), then the engine's again, in the same process.
+exponential_, now through uniform_; both in the calling thread, as the noise is drawn now), then
+the engine's again, in the same process.
 """
 
 import argparse

@@ -110,10 +110,16 @@ def test_the_sampling_noise_is_each_generators_own_exponential_draws():
     gens = [torch.Generator().manual_seed(s) for s in (3, 2**40 + 1, 77, 5)]
     twins = [torch.Generator().manual_seed(s) for s in (3, 2**40 + 1, 77, 5)]
     for width in (151_936, 5):
-        noise = exponential_noise(width, gens)
-        expected = torch.stack([torch.empty(width).exponential_(generator=g) for g in twins])
-        assert torch.equal(noise, expected)
+        # A decode loop's workspace, reused at each step, with more rows than it draws (as once
+        # finished rows left the batch); and none.
+        work = sampling.Workspace(6, width, torch.device("cpu"))
+        for w in (work, work, None):
+            noise = exponential_noise(width, gens, w)
+            expected = torch.stack([torch.empty(width).exponential_(generator=g) for g in twins])
+            assert torch.equal(noise, expected)
     assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, twins))
+    logits = torch.randn(4, 151_936)
+    assert torch.equal(sample(logits, gens, sampling.Workspace(6, 151_936, torch.device("cpu"))), sample(logits, twins))
 
 
 def test_filters():

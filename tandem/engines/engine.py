@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from tandem.algo import scaled, token_logprobs
 from tandem.linears import fast_linears
-from tandem.rollout.sampling import apply_repetition_penalty, filter_logits, sample
+from tandem.rollout.sampling import Workspace, apply_repetition_penalty, filter_logits, sample
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import check_weights, fingerprint
 
@@ -288,10 +288,12 @@ class TransformersEngine:
         lengths = torch.full((n,), params.max_tokens, dtype=torch.long, device=device)  # (N,)
         finished_by_eos = torch.zeros(n, dtype=torch.bool, device=device)  # (N,)
         done = torch.full((n,), idle, dtype=torch.bool, device=device)  # (M,)
+        # Reused at every step: a fresh (N, V) tensor is fresh pages to fault in (sampling.Workspace).
+        work, logits_f32 = Workspace(n, logits.shape[-1], device), torch.empty_like(logits)
         for step in range(params.max_tokens):
             scores = scaled(apply_repetition_penalty(logits, seen, params.repetition_penalty), params.temperature)
             scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)
-            tok = sample(scores, generators)  # (M,)
+            tok = sample(scores, generators, work)  # (M,)
             tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
             lp = token_logprobs(logits.unsqueeze(1), tok.unsqueeze(1), params.temperature).squeeze(1)  # (M,)
             token_mat[live, step] = tok
@@ -316,7 +318,8 @@ class TransformersEngine:
                 input_ids=tok.unsqueeze(1), attention_mask=attention, position_ids=step_pos, past_key_values=cache, use_cache=True, logits_to_keep=1
             )
             cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()  # (M, V)
+            logits = out.logits[:, -1, :]  # (M, V)
+            logits = logits if logits.dtype == torch.float32 else logits_f32[: len(live)].copy_(logits)
         return token_mat, logp_mat, lengths, finished_by_eos
 
     def _all_finished(self, done: torch.Tensor) -> bool:
