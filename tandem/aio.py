@@ -43,11 +43,11 @@ def user_loop() -> LoopThread:
 async def in_own_thread(fn: Callable, *args):
     """fn(*args) in a thread started for the call, which ends with it; awaited without blocking
     the event loop. For torch work beside a thread that computes (a server's engine): each
-    thread that runs a parallel torch op keeps a team of OpenMP threads while it lives, and once a
-    process has more of those threads than cores, libgomp makes every team's threads sleep at
-    once after each op, so that each op of a decode step pays for waking them (a server's decode
-    step at the Qwen2.5-0.5B shape: 135 against 105 ms after one weight push that staged in a
-    pooled thread). A thread that ends gives its team back."""
+    thread that runs a parallel torch op keeps a team of OpenMP threads while it lives, and a
+    live second team slowed every op of the engine's decode steps (a server's step at the
+    Qwen2.5-0.5B shape: 131-137 against 102-114 ms after one weight push staged in a pooled
+    thread; libgomp spins only briefly where it manages more threads than cores, which fits, but
+    was not traced). A thread that ends gives its team back."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 

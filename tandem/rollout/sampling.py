@@ -48,8 +48,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 class Workspace:
     """What a decode loop samples in, allocated once per call and reused at every step: a fresh
     (N, V) tensor is fresh pages to fault in, 7 ms against 0.2 for 8 rows of 151,936 with the
-    CLI's allocator settings (tandem/cli.py: _return_freed_memory).
-    Rows past those a step samples are left alone (finished rows leave the batch)."""
+    CLI's allocator settings (tandem/cli.py: _return_freed_memory). A step uses the first rows,
+    as many as it samples (finished rows leave the batch)."""
 
     def __init__(self, rows: int, width: int, device: torch.device):
         self.probs = torch.empty((rows, width), device=device)
