@@ -978,13 +978,15 @@ def test_tool_workers_contain_a_tool_that_ends_its_process_floods_or_hangs(tmp_p
 def test_a_tool_that_ends_its_process_fails_its_calls_in_a_worker_and_the_run_trains_on(tool_model, files, tmp_path):
     # In the trainer's process, os._exit(0) in a tool ended the run with exit code 0 and no
     # message, after training nothing. In a worker (tool_workers) each call fails, shown and counted.
+    # Every call waits for a fresh worker process, and its wait counts against tool_timeout: on a
+    # loaded CI machine the last of 16 calls through 2 workers once passed the default 30 s.
     folder, data = files
     (folder / "exits.py").write_text(UNRULY.replace("def quits(x: int)", "def calculator(expression: str)").replace("os._exit(x)", "os._exit(0)")
                                      .replace("x: its exit code", "expression: ignored"))  # fmt: skip
     out = tmp_path / "run"
     proc = subprocess.run(command(1, _args(tool_model, data, out, 16, "--max_steps", "2", "--reward_funcs", "exact_match", "--tools",
                                            f"{folder / 'exits.py'}:calculator", "--tool_workers", "2", "--max_tool_calling_iterations", "1",
-                                           "--learning_rate", "1e-4")), capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
+                                           "--learning_rate", "1e-4", "--tool_timeout", "240")), capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics, completions = _read(out)
     assert [m["step"] for m in metrics] == [1, 2] and all(m["tools/calculator/call_frequency"] > 0 for m in metrics)
