@@ -40,31 +40,33 @@ def user_loop() -> LoopThread:
         return _user_loop
 
 
-async def in_own_thread(fn: Callable, *args):
-    """fn(*args) in a thread started for the call, which ends with it; awaited without blocking
-    the event loop. For torch work beside a thread that computes (a server's engine): each
-    thread that runs a parallel torch op keeps a team of OpenMP threads while it lives, and a
-    live second team slowed every op of the engine's decode steps (a server's step at the
-    Qwen2.5-0.5B shape: 131-137 against 102-114 ms after one weight push staged in a pooled
-    thread; libgomp spins only briefly where it manages more threads than cores, which fits, but
-    was not traced). A thread that ends gives its team back."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, exc: BaseException | None) -> None:
-        if not future.done():  # the awaiting request may have been cancelled
-            future.set_exception(exc) if exc is not None else future.set_result(result)
+def in_thread(fn: Callable, *args, name: str) -> tuple[Future, threading.Thread]:
+    """fn(*args) in a daemon thread started for the call, which ends with it: its future (the
+    result, or whatever it raised, SystemExit included) and the thread. A call whose future was
+    cancelled before the thread began does not run."""
+    future: Future = Future()
 
     def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
         try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever holds the future
+            future.set_exception(exc)
 
-    threading.Thread(target=run, name="tandem-own-thread", daemon=True).start()
-    return await future
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return future, thread
+
+
+async def in_own_thread(fn: Callable, *args):
+    """in_thread, awaited without blocking the event loop. For torch work beside a thread that
+    computes (a server's engine): each thread that runs a parallel torch op keeps a team of
+    OpenMP threads while it lives, and a live second team slowed every op of the engine's decode
+    steps (a server's step at the Qwen2.5-0.5B shape: 131-137 against 102-114 ms after one weight
+    push staged in a pooled thread; libgomp spins only briefly where it manages more threads than
+    cores, which fits, but was not traced). A thread that ends gives its team back."""
+    return await asyncio.wrap_future(in_thread(fn, *args, name="tandem-own-thread")[0])
 
 
 class DaemonPool:

@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 import requests
 import torch
 
+from tandem.aio import in_thread
 from tandem.rollout.fleet import BALANCES, Fleet
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import (StagedWeights, buckets, compress_delta, fingerprint, host_id, parse_safetensors, safetensors_stream, sealed_memfd,
@@ -553,20 +554,7 @@ class RolloutClient:
 
 def _started(fn, items: Iterable) -> list[tuple[Future, threading.Thread]]:
     """fn(item) for each item, each in a daemon thread of its own; their futures and threads."""
-    started = []
-    for item in items:
-        future: Future = Future()
-        thread = threading.Thread(target=_settle, args=(future, fn, item), name="tandem-client", daemon=True)
-        thread.start()
-        started.append((future, thread))
-    return started
-
-
-def _settle(future: Future, fn, item) -> None:
-    try:
-        future.set_result(fn(item))
-    except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by _each
-        future.set_exception(exc)
+    return [in_thread(fn, item, name="tandem-client") for item in items]
 
 
 class _Delta:
