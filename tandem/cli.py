@@ -292,16 +292,18 @@ def _log_to_stderr() -> None:
 
 
 def _return_freed_memory() -> None:
-    """Tensors of 1 MiB or more go back to the OS as soon as they are freed: glibc maps each such
+    """Tensors of 4 MiB or more go back to the OS as soon as they are freed: glibc maps each such
     block on its own, and torch backs large ones with huge pages. Otherwise glibc's heap keeps
     freed blocks under a threshold that grows to 32 MB, fragmented, and a training step peaks
-    well above what it holds live. At the Qwen2.5-0.5B shape (the floor of fp32 AdamW is 7.9 GB):
-    two training steps alone peaked at 11.6 GB against 9.4 GB, the second step 8% slower;
-    bench/scale.py's colocated run at 12.2 GB against 9.5 GB. Runs before torch is imported:
+    well above what it holds live. At the Qwen2.5-0.5B shape in fp32 (the floor of fp32 AdamW is
+    7.9 GB), bench/scale.py's colocated run at 256 tokens peaked at 11.2 GB without this, 9.8 GB
+    at 16 MiB and 8.9 GB at 4 MiB or 1 MiB, all within 5% in step time. Below 4 MiB the pages
+    of every mid-sized tensor fault in again: at bench/vs_trl.py's toy long shape a training
+    phase took 1.19-1.26 s at 1 MiB against 0.78-0.82 s at 4 MiB. Runs before torch is imported:
     torch reads THP_MEM_ALLOC_ENABLE once."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        ctypes.CDLL("libc.so.6").mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: another allocator, left as it is
 
