@@ -269,6 +269,38 @@ def test_the_servers_weight_work_runs_in_a_thread_that_has_ended_when_it_returns
     assert ran[0] is not threading.main_thread() and not ran[0].is_alive()
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: every thread count is 1")
+def test_the_servers_engine_calls_run_on_the_threads_the_server_was_given(tiny_model):
+    # torch.set_num_threads reaches MKL only in the thread that calls it: a new thread's MKL
+    # matmuls took every core, beside a trainer sized to the cores the server said it left.
+    # The real engine, with each call's MKL thread count recorded.
+    import ctypes
+
+    from tandem.server.serving import RolloutService
+
+    try:
+        mkl_threads = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).mkl_get_max_threads
+    except (OSError, AttributeError):
+        pytest.skip("this torch has no MKL")
+    seen = []
+
+    class Recording(TransformersEngine):
+        def generate(self, *args, **kwargs):
+            seen.append(mkl_threads())
+            return super().generate(*args, **kwargs)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `tandem rollout --threads 1` does before its engine loads
+    service = RolloutService()
+    try:
+        service.set_engine(Recording(AutoModelForCausalLM.from_pretrained(tiny_model), [2], 0), 259, 512)
+        asyncio.run(service.generate([PROMPT], 1, SamplingParams(max_tokens=2), [1], 0, 0.0))
+    finally:
+        service.stop()
+        torch.set_num_threads(before)
+    assert seen == [1]
+
+
 @pytest.mark.quick
 def test_an_answer_cut_off_midway_is_retried_then_reported_naming_the_server():
     # A fake at the network boundary: a "server" that sends headers and half a chunked body,

@@ -168,7 +168,10 @@ class RolloutService:
 
     def set_engine(self, engine: Engine, vocab_size: int, max_model_len: int) -> None:
         with self._cv:
-            self._calls = ThreadPoolExecutor(engine.max_concurrency, thread_name_prefix="tandem-engine-call")
+            # torch.set_num_threads (--threads) reaches MKL only in the thread that called it: a
+            # new thread's large matmuls run on every core, beside a trainer sized to the rest.
+            self._calls = ThreadPoolExecutor(engine.max_concurrency, thread_name_prefix="tandem-engine-call",
+                                             initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))  # fmt: skip
             self.engine, self.vocab_size, self.max_model_len = engine, vocab_size, max_model_len
             self._cv.notify_all()
 
