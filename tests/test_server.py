@@ -247,6 +247,20 @@ def test_a_trainer_leaves_a_same_host_servers_cores_free(monkeypatch):
     assert trainer_threads([here], 1) is None  # the user's own choice stands
 
 
+def test_a_sync_trainer_lends_its_cores_to_the_servers_on_its_host(monkeypatch):
+    from tandem.rollout.weights import host_id
+    from tandem.trainer.setup import lent_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    here = {"host_id": host_id(), "device": "cpu", "threads": 1}
+    lent, line = lent_threads(["a", "b", "c"], [here, {**here, "host_id": "elsewhere"}, here])
+    assert lent == {"a": max(1, cores // 2), "c": max(1, cores // 2)} and "while training waits" in line  # split between the two here
+    assert lent_threads(["a"], [{**here, "device": "cuda"}]) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert lent_threads(["a"], [here]) is None
+
+
 @pytest.mark.quick
 def test_the_servers_weight_work_runs_in_a_thread_that_has_ended_when_it_returns():
     # The weight routes stage and commit through in_own_thread: a live thread that once ran a
@@ -270,7 +284,7 @@ def test_the_servers_weight_work_runs_in_a_thread_that_has_ended_when_it_returns
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: every thread count is 1")
-def test_the_servers_engine_calls_run_on_the_threads_the_server_was_given(tiny_model):
+def test_the_servers_engine_calls_run_on_its_threads_or_those_a_sync_run_lends(tiny_model):
     # torch.set_num_threads reaches MKL only in the thread that calls it: a new thread's MKL
     # matmuls took every core, beside a trainer sized to the cores the server said it left.
     # The real engine, with each call's MKL thread count recorded.
@@ -289,16 +303,26 @@ def test_the_servers_engine_calls_run_on_the_threads_the_server_was_given(tiny_m
             seen.append(mkl_threads())
             return super().generate(*args, **kwargs)
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # as `tandem rollout --threads 1` does before its engine loads
-    service = RolloutService()
-    try:
-        service.set_engine(Recording(AutoModelForCausalLM.from_pretrained(tiny_model), [2], 0), 259, 512)
+    def generate(service):
         asyncio.run(service.generate([PROMPT], 1, SamplingParams(max_tokens=2), [1], 0, 0.0))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `tandem rollout` does on two cores before its engine loads
+    default, fixed = RolloutService(), RolloutService(fixed_threads=True)  # fixed: started with --threads
+    try:
+        for service in (default, fixed):
+            service.set_engine(Recording(AutoModelForCausalLM.from_pretrained(tiny_model), [2], 0), 259, 512)
+            generate(service)
+            service.claim("run", "here", threads=2)  # a sync run lends its cores
+            generate(service)
+            assert service.engine.threads == 1  # what /health reports: the server's own, whatever a run lends
+            service.claim("run", "here", threads=None)
+            generate(service)
     finally:
-        service.stop()
+        default.stop()
+        fixed.stop()
         torch.set_num_threads(before)
-    assert seen == [1]
+    assert seen == [1, 2, 1, 1, 1, 1]
 
 
 @pytest.mark.quick

@@ -166,14 +166,13 @@ class TransformersEngine:
         self.version = version
         self.keep_packed = keep_packed and all_done is None
         self._packed = None  # the kept packing mode (keep_packed), made by the first call that packs
+        # The process's torch threads when it was made (a server's --threads), not a call's: a
+        # server lends a sync run's calls more (RolloutService._call)
+        self.threads = torch.get_num_threads()
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-    @property
-    def threads(self) -> int:
-        return torch.get_num_threads()
 
     def weight_spec(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())

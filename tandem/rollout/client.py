@@ -115,6 +115,7 @@ class RolloutClient:
         # is checked like a new server (a LoRA run's base weights, for one).
         self.check_new_process: Callable[[str], None] | None = None
         self.run: dict | None = None  # the run this client pushes for (claim): its id goes with every update
+        self._lent: dict[str, int] = {}  # url -> CPU threads the run lends that server (claim)
         self._run_lock = threading.Lock()  # a renewal of the claim never lands after its release
         self._closed = threading.Event()  # ends watch()'s and the claim's renewal threads
         self._threads: list[threading.Thread] = []  # those threads, joined by close()
@@ -423,18 +424,24 @@ class RolloutClient:
         self._committed[url] = (instance, version)
         return got
 
-    def claim(self, run_id: str, name: str) -> None:
+    def claim(self, run_id: str, name: str, threads: dict[str, int] | None = None) -> None:
         """Hold every server for this run: a server refuses the pushes of any other run, and a
         server another run holds refuses this one (HTTP 409, naming that run). The hold is a
         lease: a daemon thread claims again every quarter of it until release(), so a trainer
-        that dies without letting go frees its servers once its lease lapses."""
+        that dies without letting go frees its servers once its lease lapses. `threads`: by URL,
+        the CPU threads this run lends a server's generation (its trainer waits meanwhile)."""
         self.run = {"run_id": run_id, "name": name}
+        self._lent = dict(threads or {})
         lease = min(hold.get("lease_seconds", math.inf) for hold in self._each(self._claim_one, self.urls))
         if math.isfinite(lease):
             self._start(self._renew, lease / 4, name="tandem-claim-renewal")
 
+    def _claim_body(self, url: str) -> dict:
+        # Sent only where lent: a server older than the field refuses a body that names it.
+        return {**self.run, "threads": self._lent[url]} if url in self._lent else self.run
+
     def _claim_one(self, url: str) -> dict:
-        return self._call("POST", url, "/run", "this run's claim on it", json=self.run)
+        return self._call("POST", url, "/run", "this run's claim on it", json=self._claim_body(url))
 
     def _renew(self, interval: float) -> None:
         """Claim again every `interval` seconds, once, without retries: a renewal that fails is
@@ -445,7 +452,7 @@ class RolloutClient:
                     return
                 for url in self.urls:
                     try:
-                        self.session.post(url + "/run", json=self.run, headers=self.headers, timeout=(self.timeout[0], 10))
+                        self.session.post(url + "/run", json=self._claim_body(url), headers=self.headers, timeout=(self.timeout[0], 10))
                     except requests.RequestException:
                         pass
 

@@ -349,7 +349,7 @@ def _run_routes(service: RolloutService) -> APIRouter:
 
     @router.post("/run", response_model=P.RunHolder, responses=_responses(_AUTH, _BODY, {409: "another run holds the server"}))
     async def claim(req: P.RunClaim):
-        hold = service.claim(req.run_id, req.name)
+        hold = service.claim(req.run_id, req.name, req.threads)
         return P.RunHolder(run_id=hold.run_id, name=hold.name, since=hold.since, lease_seconds=service.run_lease)
 
     @router.delete("/run", responses=_responses(_AUTH))
@@ -503,7 +503,8 @@ def serve(args: argparse.Namespace) -> int:
     # slower than either alone: on CPU the server takes half and reports it in /info, and a
     # trainer on the same host sizes itself to the rest.
     torch.set_num_threads(args.threads or (max(1, len(os.sched_getaffinity(0)) // 2) if args.device == "cpu" else torch.get_num_threads()))
-    service = RolloutService(max_batch_tokens=args.max_batch_tokens, max_version_waiters=args.max_version_waiters, run_lease=args.run_lease)
+    service = RolloutService(max_batch_tokens=args.max_batch_tokens, max_version_waiters=args.max_version_waiters, run_lease=args.run_lease,
+                             fixed_threads=bool(args.threads))  # fmt: skip
     app = build_app(service, args.model, args.api_key, args.max_request_bytes, args.max_weight_chunk_bytes, args.dtype, args.device, args.body_timeout)
 
     def load():

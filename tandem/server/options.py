@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-lease", type=float, default=60.0, help="seconds a training run's hold on the server lasts without renewal: "
                    "its trainer renews it every quarter of this, so a trainer that died frees the server after it")
     p.add_argument("--max-version-waiters", type=int, default=256, help="most /generate requests that may wait for a min_version at once; more get 503")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads. 0: on --device cpu, half of this host's cores (a trainer on the same host takes the rest); on a GPU, torch's default")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads. 0: on --device cpu, half of this host's cores (a trainer on the same host takes the rest in async mode, and lends the server every core while it generates for a sync run); on a GPU, torch's default. Given, the server keeps it")
     p.add_argument("--engine", default="transformers", choices=ENGINE_NAMES, help="transformers: tandem's own decode loop (any causal LM, CPU or GPU). vllm: vLLM (pip install 'tandem-rl[vllm]'); the options below are vLLM's own")
     v = p.add_argument_group("vLLM engine options (--engine vllm; unset: vLLM's defaults, but see --kv-cache-memory-bytes on CPU)")
     v.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory vLLM may use for weights and KV cache")

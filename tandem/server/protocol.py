@@ -82,6 +82,9 @@ class WeightUpdateBegin(_Strict):
 class RunClaim(_Strict):
     run_id: str = Field(..., min_length=1, max_length=64, description="The training run's id (kept in its checkpoints: a resumed run has the same).")
     name: str = Field(..., max_length=1000, description="Where the run is (output_dir, host, pid), for a refused run's message.")
+    threads: int | None = Field(None, ge=1, le=4096, description=(
+        "CPU threads the server's engine calls may use while this run holds it: its trainer, on the same host, waits while "
+        "they run (sync mode). At most the server's cores; ignored by a server started with --threads. None: the server's own."))  # fmt: skip
 
 
 class RunHolder(BaseModel):

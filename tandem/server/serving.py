@@ -4,6 +4,7 @@ versioned weight updates. It depends only on the engine interface."""
 import asyncio
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -66,6 +67,7 @@ class RunHold:
     name: str  # where the run is (its output_dir, host and pid), for the refusal's message
     since: float  # time.time() of its first claim
     expires: float = math.inf  # time.monotonic() past which, not renewed, another run may take the server
+    threads: int | None = None  # CPU threads the run lends the engine's calls (its trainer waits while they run)
 
 
 @dataclass
@@ -134,9 +136,13 @@ class RolloutService:
     calls in flight and keeps new ones out until it is done, so no completion mixes two versions."""
 
     def __init__(self, max_batch_tokens: int = 65536, max_model_len: int = 4096, vocab_size: int = 0, max_version_waiters: int = 256,
-                 run_lease: float = RUN_LEASE_SECONDS):  # fmt: skip
+                 run_lease: float = RUN_LEASE_SECONDS, fixed_threads: bool = False):  # fmt: skip
+        """`fixed_threads` (`--threads` given): engine calls keep the process's torch threads,
+        whatever threads a run lends."""
         self.engine: Engine | None = None
         self.run_lease = run_lease  # seconds a run's hold lasts past its last claim (the trainer renews it)
+        self.fixed_threads = fixed_threads
+        self._own_threads = torch.get_num_threads()
         self.max_batch_tokens = max_batch_tokens
         self.max_version_waiters = max_version_waiters
         self._waiters = 0  # requests waiting for min_version; they hold no thread
@@ -168,10 +174,7 @@ class RolloutService:
 
     def set_engine(self, engine: Engine, vocab_size: int, max_model_len: int) -> None:
         with self._cv:
-            # torch.set_num_threads (--threads) reaches MKL only in the thread that called it: a
-            # new thread's large matmuls run on every core, beside a trainer sized to the rest.
-            self._calls = ThreadPoolExecutor(engine.max_concurrency, thread_name_prefix="tandem-engine-call",
-                                             initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))  # fmt: skip
+            self._calls = ThreadPoolExecutor(engine.max_concurrency, thread_name_prefix="tandem-engine-call")
             self.engine, self.vocab_size, self.max_model_len = engine, vocab_size, max_model_len
             self._cv.notify_all()
 
@@ -322,6 +325,11 @@ class RolloutService:
     def _call(self, batch: list[_Job]) -> None:
         prompts = [p for job in batch for p in job.prompts]
         seeds = [s for job in batch for s in job.seeds]
+        with self._cv:
+            lent = None if self.run is None or self.fixed_threads else self.run.threads
+        # Set in this thread, at every call: torch.set_num_threads reaches MKL only in the thread
+        # that calls it, so a new thread's large matmuls ran on every core whatever --threads said.
+        torch.set_num_threads(lent or self._own_threads)
         try:
             with self._gate.shared():
                 outs = self.engine.generate(prompts, batch[0].params, seeds)
@@ -349,11 +357,13 @@ class RolloutService:
 
     # ------------------------------------------------------------------ the run it serves
 
-    def claim(self, run_id: str, name: str) -> RunHold:
+    def claim(self, run_id: str, name: str, threads: int | None = None) -> RunHold:
         """The run `run_id` holds the server for run_lease seconds more, unless another one holds
         it (a restarted trainer of the holding run, resuming, is let back in). A hold is a lease
         its trainer renews: one whose trainer died (killed, crashed without letting go) lapses,
-        and the next run takes the server."""
+        and the next run takes the server. `threads`: CPU threads the run lends the engine's
+        calls while it holds the server (a trainer on this host that waits while they run), at
+        most this process's cores; None leaves them at the process's own."""
         with self._cv:
             now = time.monotonic()
             if self.run is not None and self.run.run_id != run_id:
@@ -364,6 +374,7 @@ class RolloutService:
             if self.run is None:
                 self.run = RunHold(run_id, name, time.time())
             self.run.name, self.run.expires = name, now + self.run_lease
+            self.run.threads = None if threads is None else min(threads, len(os.sched_getaffinity(0)))
             return self.run
 
     def release(self, run_id: str | None) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
 from tandem.rollout.weights import StagedWeights, fingerprint, in_name_order
-from tandem.trainer.setup import trainer_threads
+from tandem.trainer.setup import lent_threads, trainer_threads
 
 Named = list[tuple[str, torch.Tensor]] | StagedWeights  # StagedWeights when training is sharded
 
@@ -36,7 +36,8 @@ class Servers:
     def __init__(self, options: ServerOptions, vocab_size: int, world: int, is_main: bool, share_cores: bool):
         """Wait for every server to be ready and check it can serve this tokenizer's vocabulary.
         `share_cores` (async mode): training overlaps generation, so the trainer leaves the
-        cores of servers on this host free (in sync mode the two take turns)."""
+        cores of servers on this host free (in sync mode the two take turns, and the servers
+        generate on every core)."""
         self.options, self.world = options, world
         self.client = RolloutClient(
             options.urls,
@@ -51,11 +52,20 @@ class Servers:
         )
         self.engine = RemoteEngine(self.client)
         self.infos = self.client.wait_until_ready()
-        sharing = trainer_threads(self.infos, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if sharing is not None and share_cores:
-            torch.set_num_threads(sharing[0])
+        # Servers on this host's CPU: in async mode training leaves them their cores; in sync
+        # mode it waits while they generate, and lends them its own.
+        self.lent: dict[str, int] = {}  # url -> threads this run lends that server's generation
+        if share_cores:
+            sizing = trainer_threads(self.infos, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        else:
+            sizing = lent_threads(options.urls, self.infos)
+        if sizing is not None:
+            if share_cores:
+                torch.set_num_threads(sizing[0])
+            else:
+                self.lent = sizing[0]
             if is_main:
-                print(f"tandem: {sharing[1]}", flush=True)
+                print(f"tandem: {sizing[1]}", flush=True)
         for url, info in zip(options.urls, self.infos):
             if info["vocab_size"] < vocab_size:
                 raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {vocab_size}")
@@ -72,7 +82,7 @@ class Servers:
         run holds one), and make each hold our weights and version. A server left running by an
         earlier (crashed) trainer of this run takes this trainer's. With LoRA (`base` given), a
         server whose base weights are not ours is refused."""
-        self.client.claim(run_id, self.options.run_name)
+        self.client.claim(run_id, self.options.run_name, self.lent)
         served = self.client.fingerprints()
         if base is not None:
             expected = dict(zip(self.options.urls, self._served_as(base)))

@@ -238,6 +238,21 @@ def resolve_bf16(requested: bool | None) -> tuple[bool, str | None]:
     )
 
 
+def lent_threads(urls: list[str], server_infos: list[dict]) -> tuple[dict[str, int], str] | None:
+    """Sync mode: training waits while rollout servers generate, so the servers on this host's
+    CPU may generate on all of its cores, split between them (each keeps half by default, for
+    async mode). Threads by URL and a line saying so; None where no server computes on this
+    host's CPU, or where OMP_NUM_THREADS says what the user wants."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    here = [url for url, info in zip(urls, server_infos) if info["host_id"] == host_id() and info["device"] == "cpu"]
+    if not here:
+        return None
+    threads = max(1, len(os.sched_getaffinity(0)) // len(here))
+    return {url: threads for url in here}, (f"rollout servers on this host generate on {threads} thread(s) each while training waits "
+                                            "(sync mode; a server started with --threads keeps its own)")  # fmt: skip
+
+
 def trainer_threads(server_infos: list[dict], local_processes: int) -> tuple[int, str] | None:
     """Torch threads for each training process when rollout servers compute on this host's CPU:
     the cores they leave (each reports its threads in /info), split between this host's
