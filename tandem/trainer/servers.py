@@ -57,15 +57,14 @@ class Servers:
         self.lent: dict[str, int] = {}  # url -> threads this run lends that server's generation
         if share_cores:
             sizing = trainer_threads(self.infos, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            if sizing is not None:
+                torch.set_num_threads(sizing[0])
         else:
             sizing = lent_threads(options.urls, self.infos)
-        if sizing is not None:
-            if share_cores:
-                torch.set_num_threads(sizing[0])
-            else:
+            if sizing is not None:
                 self.lent = sizing[0]
-            if is_main:
-                print(f"tandem: {sizing[1]}", flush=True)
+        if sizing is not None and is_main:
+            print(f"tandem: {sizing[1]}", flush=True)
         for url, info in zip(options.urls, self.infos):
             if info["vocab_size"] < vocab_size:
                 raise ValueError(f"rollout server {url} serves {info['model']} with vocabulary {info['vocab_size']}, smaller than this tokenizer's {vocab_size}")

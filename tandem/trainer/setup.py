@@ -238,6 +238,11 @@ def resolve_bf16(requested: bool | None) -> tuple[bool, str | None]:
     )
 
 
+def _on_this_cpu(info: dict) -> bool:
+    """Whether a rollout server (its /info) computes on this host's CPU, beside the trainer."""
+    return info["host_id"] == host_id() and info["device"] == "cpu"
+
+
 def lent_threads(urls: list[str], server_infos: list[dict]) -> tuple[dict[str, int], str] | None:
     """Sync mode: training waits while rollout servers generate, so the servers on this host's
     CPU may generate on all of its cores, split between them (each keeps half by default, for
@@ -245,7 +250,7 @@ def lent_threads(urls: list[str], server_infos: list[dict]) -> tuple[dict[str, i
     host's CPU, or where OMP_NUM_THREADS says what the user wants."""
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    here = [url for url, info in zip(urls, server_infos) if info["host_id"] == host_id() and info["device"] == "cpu"]
+    here = [url for url, info in zip(urls, server_infos) if _on_this_cpu(info)]
     if not here:
         return None
     threads = max(1, len(os.sched_getaffinity(0)) // len(here))
@@ -260,7 +265,7 @@ def trainer_threads(server_infos: list[dict], local_processes: int) -> tuple[int
     on a GPU, or when OMP_NUM_THREADS already says what the user wants."""
     if "OMP_NUM_THREADS" in os.environ or torch.cuda.is_available():
         return None
-    here = [info for info in server_infos if info["host_id"] == host_id() and info["device"] == "cpu"]
+    here = [info for info in server_infos if _on_this_cpu(info)]
     if not here:
         return None
     cores = len(os.sched_getaffinity(0))
