@@ -161,6 +161,43 @@ def test_the_preallocated_decode_cache_decodes_what_transformers_cache_does(engi
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_attention_folded_onto_the_key_value_heads_equals_transformers_sdpa(dtype):
+    # A decode step of a grouped-query model with no padded row (14 query heads on 2 key/value
+    # heads, as Qwen2.5-0.5B): transformers' route (enable_gqa) and the engine's (the query heads
+    # folded into rows of their key/value head) compute the same attention, up to rounding.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups, layer_idx, is_causal = 7, 0, True
+
+    torch.manual_seed(0)
+    query = torch.randn(3, 14, 1, 64, dtype=dtype)  # (B, H, 1, D)
+    key, value = torch.randn(2, 3, 2, 40, 64, dtype=dtype)  # (B, KVH, L, D) each
+    theirs, _ = sdpa_attention_forward(Attention(), query, key, value, None, scaling=0.125)
+    ours, _ = engine_module._sdpa_folding_one_query(Attention(), query, key, value, None, scaling=0.125)
+    assert ours.shape == theirs.shape == (3, 1, 14, 64)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-6 if dtype == torch.float32 else 1e-2)
+    assert not torch.equal(ours[:, :, :7], ours[:, :, 7:])  # each head attended to its own key/value head
+
+
+def test_decode_steps_with_no_padded_row_fold_their_query_heads(engine, monkeypatch):
+    # Every row of one prompt (a group's completions): no attention mask, the case where
+    # transformers calls sdpa with enable_gqa (4-13x slower on a CPU, docs/benchmarks.md).
+    eng, _ = engine
+    calls = []  # (rows, enable_gqa) of every sdpa call
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, k, v, **kw: calls.append((len(q), kw.get("enable_gqa", False))) or sdpa(q, k, v, **kw))
+    out = eng.generate([PROMPTS[0]] * 4, SamplingParams(max_tokens=6), [1, 2, 3, 4])
+    decode = [gqa for rows, gqa in calls if rows == 4]  # the prefill's are of 1 row: the prompt, once
+    assert len(decode) == 5 * 2 and not any(decode)  # 5 steps after the first token, 2 layers
+    assert eng.model.config._attn_implementation == "sdpa"  # set back: the trainer's forward is transformers' own
+    # each sequence as it decodes in a padded batch, where transformers folds the heads itself
+    padded = eng.generate([PROMPTS[1], PROMPTS[0]], SamplingParams(max_tokens=6), [0, 3])[1]
+    assert out[2].token_ids == padded.token_ids
+    assert out[2].logprobs == pytest.approx(padded.logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_large_linears_decode_through_onednn_to_the_same_tokens(engine, monkeypatch, pack):
     # The tiny model's weights are under the size that decodes through oneDNN; with the bar at
