@@ -183,7 +183,7 @@ def test_one_query_attention_folded_onto_the_key_value_heads_equals_transformers
 
 def test_decode_steps_with_no_padded_row_fold_their_query_heads(engine, monkeypatch):
     # Every row of one prompt (a group's completions): no attention mask, the case where
-    # transformers calls sdpa with enable_gqa (4-13x slower on a CPU, docs/benchmarks.md).
+    # transformers calls sdpa with enable_gqa (on a CPU 2x slower in fp32, 5-13x in bf16: docs/benchmarks.md).
     eng, _ = engine
     calls = []  # (rows, enable_gqa) of every sdpa call
     sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -17,8 +17,9 @@ A change of results recorded on one kind of machine leaves the other kinds' reco
 modes it changed stale: they are deleted, and until each kind records them again a run of such a
 mode, on a machine of a capability where some kind lacks it, is compared with every recording
 of it within 1e-3 (kinds differed by up to 1.1e-4, in server_async's is_weight/max; a
-refactoring that changes results by more still fails). Deleted so: server_sync and server_async of AVX2 and AVX512/2, when a decode step
-with no padded row started folding its query heads (tandem/engines/engine.py).
+refactoring that changes results by more still fails). Deleted so: server_sync and server_async
+of AVX2 and AVX512/2, when a decode step with no padded row started folding its query heads
+(tandem/engines/engine.py).
 """
 
 import json
