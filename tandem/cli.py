@@ -293,15 +293,16 @@ def _log_to_stderr() -> None:
 
 def _return_freed_memory() -> None:
     """Tensors of 4 MiB or more go back to the OS as soon as they are freed: glibc maps each such
-    block on its own, and torch backs large ones with huge pages. Otherwise glibc's heap keeps
-    freed blocks under a threshold that grows to 32 MB, fragmented, and a training step peaks
-    well above what it holds live. At the Qwen2.5-0.5B shape in fp32 (the floor of fp32 AdamW is
-    7.9 GB), bench/scale.py's colocated run at 256 tokens peaked at 11.2 GB without this, 9.8 GB
-    at 16 MiB and 8.9 GB at 4 MiB or 1 MiB, all within 5% in step time. Below 4 MiB the pages
-    of every mid-sized tensor fault in again: at bench/vs_trl.py's toy long shape a training
-    phase took 1.19-1.26 s at 1 MiB against 0.78-0.82 s at 4 MiB. Runs before torch is imported:
-    torch reads THP_MEM_ALLOC_ENABLE once."""
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    block on its own. Otherwise glibc's heap keeps freed blocks under a threshold that grows to
+    32 MB, fragmented, and a training step peaks well above what it holds live. At the
+    Qwen2.5-0.5B shape in fp32 (the floor of fp32 AdamW is 7.9 GB), bench/scale.py's colocated
+    run at 256 tokens peaked at 11.2 GB without this, 9.8 GB at 16 MiB and 8.9 GB at 4 MiB or
+    1 MiB, all within 5% in step time. Below 4 MiB the pages of every mid-sized tensor fault in
+    again: at bench/vs_trl.py's toy long shape a training phase took 1.19-1.26 s at 1 MiB against
+    0.78-0.82 s at 4 MiB. torch's huge pages for large tensors (THP_MEM_ALLOC_ENABLE=1) stay off,
+    torch's default: where the kernel compacts memory for a huge page at the fault
+    (transparent_hugepage/defrag "madvise", as here), the 0.5B shape's training phase at 8 x 256
+    in bf16 took 47.8 s with them against 35.6 without, at the same peak (docs/benchmarks.md)."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):

@@ -436,8 +436,10 @@ def _tables_and_gradients(lm, run):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_a_tied_embeddings_sparse_gradient_is_added_in_place_into_the_output_layers(tiny_model, monkeypatch, bf16):
-    # bf16: under autocast too (the head's matmuls in bf16, the gradients in fp32)
+    # bf16: under autocast too (the head's matmuls in bf16, the gradients in fp32, added a slice
+    # of 64 vocabulary rows at a time: a slice of the whole table would count as one)
     lm, mb, fp32_run = _model_and_loss(tiny_model, 4)
+    monkeypatch.setattr(head_module, "GRAD_SLICE_ROWS", 64)
 
     def run():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -454,7 +456,7 @@ def test_a_tied_embeddings_sparse_gradient_is_added_in_place_into_the_output_lay
         assert (got[name] - grad).norm() <= 1e-6 * grad.norm(), name
     # The one table-sized fp32 tensor made is the weight's gradient; autograd makes one per output
     # layer call and per lookup (the prompts' pass and each bucket's), and their sums. (In bf16
-    # each output layer call also makes a bf16 copy of the weight and a bf16 product a chunk.)
+    # each output layer call also makes a bf16 copy of the weight.)
     assert tables == 1 and plain_tables > 2, (tables, plain_tables)
     run().backward()  # a second micro-batch: both shares add into the gradient already there
     for name, param in lm.named_parameters():

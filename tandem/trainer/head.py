@@ -33,15 +33,77 @@ def chunk_tokens(vocab: int) -> int:
     return max(1, HEAD_CHUNK_BYTES // (4 * vocab))
 
 
-def _chunk(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
-    """Log-probs (t,) of `tokens` under softmax(head(hidden) / temperature), and the entropy (t,)
-    of that distribution or None; the logits in fp32, as token_logprobs takes them."""
-    scores = scaled(head(hidden).float(), temperature)  # (t, V)
-    chosen = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)  # (t,), as token_logprobs
+class _Workspace:
+    """The (chunk, vocabulary)-sized tensors of one forward or backward, made once and reused by
+    every chunk. The CLI hands each freed block of 4 MiB or more back to the OS (tandem/cli.py:
+    _return_freed_memory), so a tensor made per chunk came back as fresh pages, faulted in and
+    zeroed by the kernel: at the Qwen2.5-0.5B shape under bf16 autocast, 2,048 tokens' forward
+    and backward spent as long in the kernel as in the computation. The values are those of the
+    same ops with tensors of their own."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.held = device, {}
+
+    def get(self, name: str, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `rows` rows (contiguous) of the named buffer, made at the shape of its first
+        request: the first chunk is the largest."""
+        buffer = self.held.get(name)
+        if buffer is None:
+            buffer = self.held[name] = torch.empty(rows, columns, dtype=dtype, device=self.device)
+        assert rows <= len(buffer) and buffer.shape[1] == columns and buffer.dtype == dtype, (name, rows, columns, dtype, buffer.shape)
+        return buffer[:rows]
+
+
+def _scores(logits: torch.Tensor, temperature: float, ws: _Workspace) -> torch.Tensor:
+    """scaled(logits.float(), temperature) in the workspace."""
+    scores = ws.get("scores", *logits.shape, torch.float32).copy_(logits)
+    return scores if temperature == 1.0 else scores.div_(temperature)
+
+
+def _log_softmax(scores: torch.Tensor, ws: _Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(scores) and its exp, the probabilities, in the workspace."""
+    logp = torch._log_softmax(scores, -1, False, out=ws.get("logp", *scores.shape, torch.float32))
+    return logp, torch.exp(logp, out=ws.get("p", *scores.shape, torch.float32))
+
+
+def _computed(head: nn.Linear, autocast: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A plain Linear head's weight as its matmuls take it: under autocast a copy in its dtype,
+    one for the whole forward or backward (autocast's, or autograd's in a chunk's backward, was
+    one a chunk)."""
+    return head.weight.to(dtype) if autocast else head.weight
+
+
+def _linear(head: nn.Linear, weight: torch.Tensor, x: torch.Tensor, ws: _Workspace) -> torch.Tensor:
+    """A plain Linear head's logits of `x`, `weight` its weight in the dtype computed in (under
+    bf16 autocast a bf16 copy): in the workspace where F.linear would call torch.mm (bf16, no
+    bias; fast_linears takes fp32 matmuls to oneDNN)."""
+    x = x.to(weight.dtype)
+    if weight.dtype == torch.bfloat16 and head.bias is None:
+        return torch.mm(x, weight.T, out=ws.get("logits", len(x), len(weight), weight.dtype))
+    return torch.nn.functional.linear(x, weight, None if head.bias is None else head.bias.to(weight.dtype))
+
+
+def _chunk(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool, ws: _Workspace | None = None):
+    """Log-probs (t,) of `tokens` under softmax(logits / temperature), and the entropy (t,) of
+    that distribution or None; the logits in fp32, as token_logprobs takes them. With a
+    workspace (no gradient through it) the same values in its tensors: torch.logsumexp's ops
+    written out, as it makes a tensor of its own."""
+    if ws is None:
+        scores = scaled(logits.float(), temperature)  # (t, V)
+        chosen = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)  # (t,), as token_logprobs
+        if not with_entropy:
+            return chosen, None
+        logp = torch.log_softmax(scores, dim=-1)  # (t, V)
+        return chosen, -(logp.exp() * logp).sum(-1)
+    scores = _scores(logits, temperature, ws)  # (t, V)
+    maxes = scores.amax(-1, keepdim=True)
+    maxes.masked_fill_(maxes.abs() == torch.inf, 0)
+    total = torch.sub(scores, maxes, out=ws.get("p", *scores.shape, torch.float32)).exp_().sum(-1)
+    chosen = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - total.log_().add_(maxes.squeeze(-1))
     if not with_entropy:
         return chosen, None
-    logp = torch.log_softmax(scores, dim=-1)  # (t, V)
-    return chosen, -(logp.exp() * logp).sum(-1)
+    logp, p = _log_softmax(scores, ws)
+    return chosen, -p.mul_(logp).sum(-1)
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -56,13 +118,17 @@ class _ChunkedHead(torch.autograd.Function):
         # A head that is not a plain Linear (a LoRA adapter on it) runs again in the backward: the
         # RNG as it was here makes its dropout draw the same masks there (torch's checkpoint does
         # the same), or the gradient would be of other masks than the forward's values.
-        ctx.rng = None if plain_linear(head) else _rng_state(hidden.device)
+        plain = plain_linear(head)
+        ctx.rng = None if plain else _rng_state(hidden.device)
         ctx.save_for_backward(hidden, tokens, *params)
         step = chunk_tokens(_vocab(head))
         logps, entropies = [], []
+        ws = _Workspace(hidden.device)
+        weight = _computed(head, *ctx.autocast[1:]) if plain else None
         with fast_linears(head):
             for s in range(0, len(hidden), step):
-                lp, ent = _chunk(head, hidden[s : s + step], tokens[s : s + step], temperature, with_entropy)
+                h = hidden[s : s + step]
+                lp, ent = _chunk(_linear(head, weight, h, ws) if plain else head(h), tokens[s : s + step], temperature, with_entropy, ws)
                 logps.append(lp)
                 entropies.append(ent)
         logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)  # (T,)
@@ -82,9 +148,7 @@ class _ChunkedHead(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden)
         # Where write_weight_grad asked, the weight's gradient (params[0]) is added into weight.grad itself.
         weight = ctx.head.weight
-        # Under autocast the forward's matmuls ran on a copy of the weight in its dtype: one copy
-        # for the whole backward (through autograd, one a chunk).
-        computed = weight.to(dtype) if plain and enabled else weight
+        computed = _computed(ctx.head, enabled, dtype) if plain else weight
         direct = plain and getattr(ctx.head, "weight_grad_in_place", False) and weight.requires_grad
         if direct:
             if weight.grad is None:
@@ -93,17 +157,18 @@ class _ChunkedHead(torch.autograd.Function):
         else:
             grad_params = [torch.zeros_like(p) for p in params]
         step = chunk_tokens(_vocab(ctx.head))
+        ws = _Workspace(hidden.device)
         with _restored_rng(hidden.device, ctx.rng):
             for s in range(0, len(hidden), step):
                 h, tok, g_lp = hidden[s : s + step], tokens[s : s + step], grad_logp[s : s + step]
                 g_ent = grad_entropy[s : s + step] if entropy_grad else None
                 if plain:
                     with fast_linears(ctx.head):
-                        grad_hidden[s : s + step] = _linear_backward(ctx.head, computed, h, tok, g_lp, g_ent, ctx.temperature, grad_params)
+                        grad_hidden[s : s + step] = _linear_backward(ctx.head, computed, h, tok, g_lp, g_ent, ctx.temperature, grad_params, ws)
                     continue
                 with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                     h = h.detach().requires_grad_()
-                    lp, ent = _chunk(ctx.head, h, tok, ctx.temperature, entropy_grad)
+                    lp, ent = _chunk(ctx.head(h), tok, ctx.temperature, entropy_grad)
                     objective = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
                     grads = torch.autograd.grad(objective, [h, *params], allow_unused=True)
                 grad_hidden[s : s + step] = grads[0]
@@ -142,23 +207,24 @@ def write_weight_grad(head: nn.Linear) -> None:
     head.weight_grad_in_place = True
 
 
-def _linear_backward(head: nn.Linear, weight, h, tokens, g_lp, g_ent, temperature: float, grad_params: list[torch.Tensor]) -> torch.Tensor:
+def _linear_backward(head: nn.Linear, weight, h, tokens, g_lp, g_ent, temperature: float, grad_params: list[torch.Tensor], ws: _Workspace) -> torch.Tensor:
     """One chunk's backward through a plain Linear head, written out: the head's weight gradient
     is added into its total in place (autograd would make a whole weight-sized tensor per chunk,
     545 MB at a vocabulary of 151,936). `weight`: the head's weight in the dtype the forward
     computed in (under bf16 autocast a bf16 copy; inputs, logits' gradient and products then in
     bf16, as autograd's are). Returns the chunk's hidden-state gradient."""
     x = h.to(weight.dtype)
-    bias = None if head.bias is None else head.bias.to(weight.dtype)
-    logp = torch.log_softmax(scaled(torch.nn.functional.linear(x, weight, bias).float(), temperature), dim=-1)  # (t, V)
-    p = logp.exp()
+    logp, p = _log_softmax(_scores(_linear(head, weight, x, ws), temperature, ws), ws)  # (t, V)
     # d/dz of log p[token]: onehot - p (in p's place where the entropy needs no p)
     g = p * -g_lp.unsqueeze(1) if g_ent is not None else p.mul_(-g_lp.unsqueeze(1))
     g.scatter_add_(1, tokens.unsqueeze(1), g_lp.unsqueeze(1))
     if g_ent is not None:  # d/dz of the entropy H: -p (log p + H)
         entropy = -(p * logp).sum(-1, keepdim=True)
         g -= p * (logp + entropy) * g_ent.unsqueeze(1)
-    g = scaled(g, temperature).to(weight.dtype)  # (t, V): the gradient of the logits
+    if temperature != 1.0:
+        g.div_(temperature)
+    if g.dtype != weight.dtype:  # (t, V): the gradient of the logits
+        g = ws.get("g", *g.shape, weight.dtype).copy_(g)
     trainable = [p for p in (head.weight, head.bias) if p is not None and p.requires_grad]
     for total, param in zip(grad_params, trainable):
         if param is not head.weight:
@@ -167,7 +233,10 @@ def _linear_backward(head: nn.Linear, weight, h, tokens, g_lp, g_ent, temperatur
             total.addmm_(g.T, x)
         else:  # a bf16 product added into fp32, as autograd adds each chunk's: a slice of rows at a time
             for r in range(0, len(total), GRAD_SLICE_ROWS):
-                total[r : r + GRAD_SLICE_ROWS] += g[:, r : r + GRAD_SLICE_ROWS].T @ x
+                rows = g[:, r : r + GRAD_SLICE_ROWS]
+                product = torch.mm(rows.T, x, out=ws.get("product", rows.shape[1], x.shape[1], g.dtype))
+                # in fp32 first: an add of mixed dtypes makes an fp32 copy of its own
+                total[r : r + GRAD_SLICE_ROWS] += ws.get("product32", *product.shape, total.dtype).copy_(product)
     return g @ weight
 
 
