@@ -324,6 +324,25 @@ def test_an_entropy_kept_as_a_metric_costs_the_output_layers_backward_nothing(pl
     assert all(torch.equal(a, b) for a, b in zip(metric_grads, grads))
 
 
+def test_the_output_layers_chunks_reuse_the_logit_sized_tensors_of_their_call(monkeypatch):
+    # Chunks of 16 tokens; 32 tokens (2 chunks) and 64 (4), under bf16 autocast: a plain head's
+    # forward and backward make as many (16, 1000) tensors either way, as every chunk writes into
+    # its call's (at a vocabulary of 151,936 a chunk's tensors of their own came back as fresh
+    # pages from the OS, as the CLI sets glibc: tandem/cli.py). In fp32 each chunk's logits are
+    # still its own (fast_linears' oneDNN matmul writes into no given tensor).
+    monkeypatch.setattr(head_module, "HEAD_CHUNK_BYTES", 16 * 4 * 1000)
+    head, hidden, tokens, _ = _head_and_tokens(4)
+    made = []
+    for n in (32, 64):
+        h = hidden.detach()[:32].repeat(n // 32, 1).requires_grad_()
+        with _Ops() as ops:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logp, _ = head_logprobs(head, h, tokens[:32].repeat(n // 32), 0.7, with_entropy=True)
+            (logp * torch.linspace(-1, 1, n)).sum().backward()
+        made.append(ops.made((16, 1000)))
+    assert made[0] == made[1] > 0, made
+
+
 def test_under_bf16_autocast_the_output_layers_written_out_backward_equals_autograds(monkeypatch):
     # Training in bf16 the head's matmuls run in bf16. Its written-out backward (a plain Linear)
     # and autograd's (a replaced forward) compute the same bf16 products; the logits' gradient is

@@ -75,12 +75,13 @@ def _computed(head: nn.Linear, autocast: bool, dtype: torch.dtype) -> torch.Tens
 
 def _linear(head: nn.Linear, weight: torch.Tensor, x: torch.Tensor, ws: _Workspace) -> torch.Tensor:
     """A plain Linear head's logits of `x`, `weight` its weight in the dtype computed in (under
-    bf16 autocast a bf16 copy): in the workspace where F.linear would call torch.mm (bf16, no
-    bias; fast_linears takes fp32 matmuls to oneDNN)."""
-    x = x.to(weight.dtype)
-    if weight.dtype == torch.bfloat16 and head.bias is None:
-        return torch.mm(x, weight.T, out=ws.get("logits", len(x), len(weight), weight.dtype))
-    return torch.nn.functional.linear(x, weight, None if head.bias is None else head.bias.to(weight.dtype))
+    bf16 autocast a bf16 copy): in bf16 in the workspace, through the matmul F.linear calls (in
+    fp32 fast_linears may take F.linear to oneDNN)."""
+    x, bias = x.to(weight.dtype), None if head.bias is None else head.bias.to(weight.dtype)
+    if weight.dtype != torch.bfloat16:
+        return torch.nn.functional.linear(x, weight, bias)
+    logits = ws.get("logits", len(x), len(weight), weight.dtype)
+    return torch.mm(x, weight.T, out=logits) if bias is None else torch.addmm(bias, x, weight.T, out=logits)
 
 
 def _chunk(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool, ws: _Workspace | None = None):
