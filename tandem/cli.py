@@ -302,7 +302,7 @@ def _return_freed_memory() -> None:
     0.78-0.82 s at 4 MiB. torch's huge pages for large tensors (THP_MEM_ALLOC_ENABLE=1) stay off,
     torch's default: where the kernel compacts memory for a huge page at the fault
     (transparent_hugepage/defrag "madvise", as here), the 0.5B shape's training phase at 8 x 256
-    in bf16 took 47.8 s with them against 35.6 without, at the same peak (docs/benchmarks.md)."""
+    in bf16 took 44.7 s with them against 40.1 without, at the same peak (docs/benchmarks.md)."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
