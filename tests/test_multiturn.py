@@ -652,11 +652,14 @@ def _calling(a: int, b: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tool_model(tiny_model, tmp_path_factory):
-    """The tiny model after a short warm-up on the calculator ("a+b=" -> a call on "a+b", its
+    return warmed_up_on_tools(tiny_model, tmp_path_factory.mktemp("model") / "tools")
+
+
+def warmed_up_on_tools(base: Path, out: Path) -> Path:
+    """The model at `base` after a short warm-up on the calculator ("a+b=" -> a call on "a+b", its
     result, the sum) and on answering without it, wrong: it calls in about half of its replies,
-    and a call pays. It also learns to end each of Rounds' three turns (below)."""
-    out = tmp_path_factory.mktemp("model") / "tools"
-    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    and a call pays. It also learns to end each of Rounds' three turns (below). Saved at `out`."""
+    model, tok = AutoModelForCausalLM.from_pretrained(base), AutoTokenizer.from_pretrained(base)
     glue = _calculator_glue(tok)
     questions = [(a, b) for a in range(10) for b in range(10)]
     rows = [encode_conversation(tok, glue, _calling(a, b)) for a, b in questions]

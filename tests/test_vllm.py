@@ -21,7 +21,7 @@ from tandem.init_model import save, warmup_sft
 from tandem.rollout.client import RolloutClient
 from tandem.rollout.types import SamplingParams
 from test_async import DIGITS, ENV, base_args, command, read, train, weight_gap
-from test_multiturn import ROUNDS, ROUNDS_AGENT
+from test_multiturn import ROUNDS, ROUNDS_AGENT, TOOL_RESULTS, warmed_up_on_tools
 
 pytestmark = needs_vllm
 
@@ -104,6 +104,27 @@ def test_an_async_multi_turn_run_is_version_exact_and_trains_the_engines_tokens(
         assert turns == [max(0, c["round"] - 1)] * len(turns) and (len(turns) == 3 or c["finish_reason"] == "length"), (c["round"], turns)
     assert min(m["multi_turn/turns/mean"] for m in metrics) > 2
     # vLLM's tokens and log-probs are what the trainer recomputes, around the inserted tokens
+    assert metrics[0]["kl_behav_proximal"] < 1e-8
+
+
+def test_partial_rollouts_with_tools_carry_a_turn_across_versions_through_vllm(model64, data, server, tmp_path):
+    # The calculator with token budgets of 16: a model turn continues at the next version from its
+    # exact tokens (prompt, earlier turns and the inserted tool result, prefilled again by vLLM),
+    # its tool runs when the turn ends, and the next turn goes on at the next version's call.
+    model = warmed_up_on_tools(model64, tmp_path / "model")
+    (tmp_path / "uses.py").write_text(TOOL_RESULTS)  # a reward that varies within groups: every step trains
+    args = base_args(model, data, tmp_path / "run", 16, "--max_steps", "4", *served(server, "--async_generate", "true"), "--max_staleness", "3",
+                     "--max_tokens_per_round", "16", "--reward_funcs", f"{tmp_path / 'uses.py'}:tool_results", "--tools", "calculator",
+                     "--max_tool_calling_iterations", "1", "--max_completion_length", "192", "--learning_rate", "1e-4")  # fmt: skip
+    train(1, args)
+    metrics, completions = read(tmp_path / "run")
+    for c in completions:  # each model token of round r is of a version in [r - 3, r - 1] (round 0: 0)
+        assert all(max(0, c["round"] - 3) <= v <= max(0, c["round"] - 1) for v, _ in c["token_versions"]), (c["round"], c["token_versions"])
+    called = [c for c in completions if c["turns"]["tool_calls"]]
+    assert called and all(c["turns"]["messages"][1]["role"] == "tool" for c in called)
+    assert any(len(c["token_versions"]) > 1 for c in called), "a trajectory with a tool call spans versions"
+    assert all(m["tools/calculator/call_frequency"] > 0 and m["grad_norm"] > 0 for m in metrics)
+    # vLLM's log-probs of a continued turn, after the inserted result, are what the trainer recomputes
     assert metrics[0]["kl_behav_proximal"] < 1e-8
 
 
