@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from tandem import linears
+from tandem.attention import tandem_sdpa
 from tandem.engines import engine as engine_module
 from tandem.engines.engine import TransformersEngine
 from tandem.rollout import sampling
@@ -175,7 +176,7 @@ def test_one_query_attention_folded_onto_the_key_value_heads_equals_transformers
     query = torch.randn(3, 14, 1, 64, dtype=dtype)  # (B, H, 1, D)
     key, value = torch.randn(2, 3, 2, 40, 64, dtype=dtype)  # (B, KVH, L, D) each
     theirs, _ = sdpa_attention_forward(Attention(), query, key, value, None, scaling=0.125)
-    ours, _ = engine_module._sdpa_folding_one_query(Attention(), query, key, value, None, scaling=0.125)
+    ours, _ = tandem_sdpa(Attention(), query, key, value, None, scaling=0.125)
     assert ours.shape == theirs.shape == (3, 1, 14, 64)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-6 if dtype == torch.float32 else 1e-2)
     assert not torch.equal(ours[:, :, :7], ours[:, :, 7:])  # each head attended to its own key/value head
@@ -188,10 +189,11 @@ def test_decode_steps_with_no_padded_row_fold_their_query_heads(engine, monkeypa
     calls = []  # (rows, enable_gqa) of every sdpa call
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, k, v, **kw: calls.append((len(q), kw.get("enable_gqa", False))) or sdpa(q, k, v, **kw))
+    came = eng.model.config._attn_implementation  # sdpa, or tandem_sdpa where a trainer's forward ran it (an earlier test)
     out = eng.generate([PROMPTS[0]] * 4, SamplingParams(max_tokens=6), [1, 2, 3, 4])
     decode = [gqa for rows, gqa in calls if rows == 4]  # the prefill's are of 1 row: the prompt, once
     assert len(decode) == 5 * 2 and not any(decode)  # 5 steps after the first token, 2 layers
-    assert eng.model.config._attn_implementation == "sdpa"  # set back: the trainer's forward is transformers' own
+    assert eng.model.config._attn_implementation == came  # set back: the model is left as it came
     # each sequence as it decodes in a padded batch, where transformers folds the heads itself
     padded = eng.generate([PROMPTS[1], PROMPTS[0]], SamplingParams(max_tokens=6), [0, 3])[1]
     assert out[2].token_ids == padded.token_ids

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from tandem import linears
+from tandem import attention, linears
 from tandem.rollout.types import Rollout
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import latest_checkpoint
@@ -150,6 +150,52 @@ def test_prefix_sharing_forward_equals_the_full_forward(tiny_model, seed, max_bu
     # first token summed in another order); with the cache detached it is 1.5.
     for n, p in lm.named_parameters():
         assert (p.grad - expected_grads[n]).norm() <= 1e-6 * expected_grads[n].norm(), n
+
+
+def test_completions_attend_to_their_prompts_cache_causally_from_the_top_left_with_the_same_result(tiny_model, monkeypatch):
+    # tandem.attention's route for many queries after cached ones (taken from 512 queries; here
+    # from 1): the prefix-sharing forward in float64 against the full forward, as the test above,
+    # with left-padded prompts (rotated) and length buckets padded on the right.
+    calls = []
+    route = attention._causal_from_top_left
+    monkeypatch.setattr(attention, "_causal_from_top_left", lambda *a: calls.append(a[0].shape) or route(*a))
+    monkeypatch.setattr(attention, "CAUSAL_MIN_QUERIES", 1)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model).double()
+    g = torch.Generator().manual_seed(0)
+    rollouts = _groups_of_rollouts(g)
+    mb = collate(rollouts, 0, "cpu", False, max_buckets=3, bucket_cost=0)
+    expected, mask = _full_forward_logprobs(lm, rollouts)
+    weights = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    (expected * mask * weights).sum().backward()
+    expected_grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    lm.zero_grad()
+    got, _ = completion_logprobs(PrefixSharingLM(lm), mb, 1.0)
+    (got.double() * mask * weights).sum().backward()
+    assert len(calls) == 2 * lm.config.num_hidden_layers  # the buckets longer than one token, every layer
+    torch.testing.assert_close(got.double() * mask, expected * mask, rtol=0, atol=1e-6)
+    for n, p in lm.named_parameters():
+        assert (p.grad - expected_grads[n]).norm() <= 1e-6 * expected_grads[n].norm(), n
+
+
+def test_attention_with_a_mask_that_is_not_causal_after_a_prefix_is_transformers_own(monkeypatch):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups, layer_idx, is_causal = 2, 0, True
+
+    monkeypatch.setattr(attention, "CAUSAL_MIN_QUERIES", 1)
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)  # (B, H, L, D), (B, KVH, S, D)
+    causal = torch.arange(5) <= torch.arange(2, 5)[:, None]  # (L, S): query i sees keys up to 2 + i
+    mask = causal.expand(2, 1, 3, 5).clone()
+    mask[1, :, :, 0] = False  # row 1's prompt is left-padded by one
+    theirs, _ = sdpa_attention_forward(Attention(), query, key, value, mask)
+    ours, _ = attention.tandem_sdpa(Attention(), query, key, value, mask)
+    assert attention._causal_after_prefix(mask, 3, 5)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    mask[0, :, :, 1] = False  # a hole: not a padded prompt
+    assert not attention._causal_after_prefix(mask, 3, 5)
+    assert torch.equal(attention.tandem_sdpa(Attention(), query, key, value, mask)[0], sdpa_attention_forward(Attention(), query, key, value, mask)[0])
 
 
 def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):

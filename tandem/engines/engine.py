@@ -5,11 +5,9 @@ from typing import Callable, Protocol
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
 from tandem.algo import scaled, token_logprobs
+from tandem.attention import TANDEM_SDPA
 from tandem.linears import fast_linears
 from tandem.rollout.sampling import Workspace, apply_repetition_penalty, filter_logits, sample
 from tandem.rollout.types import Completion, SamplingParams
@@ -132,37 +130,16 @@ def decode_cache(config, capacity: int) -> Cache:
     return Cache(layers=[_GrowingLayer(capacity) for _ in cache.layers])
 
 
-def _sdpa_folding_one_query(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """transformers' sdpa attention, except for one query token of a grouped-query model with no
-    mask (a decode step where no row is padded: a group's completions of one prompt). There
-    transformers calls sdpa with `enable_gqa`, which on a CPU took 2x as long in fp32 and 5-13x
-    in bf16 as the same attention with each key/value head's query heads folded into its query
-    rows, the route transformers itself takes where a mask is given. At the Qwen2.5-0.5B shape in
-    bf16, 8 rows: 0.87 ms a layer with up to 256 tokens cached, 2.45 ms at 256-512, against 0.16
-    and 0.31 ms folded; a decode step of 8 x 512 tokens took 113 ms, now 78."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    plain = not dropout and all(kwargs.get(k) is None for k in ("position_bias", "softcap", "cache"))
-    if attention_mask is not None or query.shape[2] != 1 or groups == 1 or not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    b, heads, _, dim = query.shape  # (B, H, 1, D)
-    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(b, heads // groups, groups, dim), key, value, scale=scaling)  # (B, KVH, H/KVH, D)
-    return out.reshape(b, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None  # (B, 1, H, D)
-
-
-FOLDING_SDPA = "tandem_sdpa"
-AttentionInterface.register(FOLDING_SDPA, _sdpa_folding_one_query)
-AttentionMaskInterface.register(FOLDING_SDPA, sdpa_mask)
-
-
 @contextmanager
 def decode_attention(model: torch.nn.Module):
     """The model's attention for a call of the engine: a CPU model on transformers' sdpa decodes
-    through _sdpa_folding_one_query; everything else as it is. Set back after the call, so that
-    the trainer's forward (colocated: the same model) never sees it."""
+    through tandem_sdpa (tandem.attention: a decode step's query heads folded); everything else
+    as it is. Set back after the call: the model is left as it came (a colocated trainer's
+    model runs on tandem_sdpa already)."""
     config = getattr(model, "config", None)
     swap = config is not None and config._attn_implementation == "sdpa" and next(model.parameters()).device.type == "cpu"
     if swap:
-        config._attn_implementation = FOLDING_SDPA
+        config._attn_implementation = TANDEM_SDPA
     try:
         yield
     finally:

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from tandem.attention import use_tandem_attention
 from tandem.rollout.types import Rollout
 from tandem.trainer.head import head_logprobs
 
@@ -176,6 +177,7 @@ class PrefixSharingLM(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        use_tandem_attention(lm)  # for good, so that a checkpointed layer's recompute runs as its forward did
 
     def _hidden(self, **inputs) -> torch.Tensor:
         """The LM's last hidden states (N, T, H) for `inputs`, without its logits: the LM is called
