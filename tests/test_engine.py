@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from tandem import linears
+from tandem.algo import scaled, token_logprobs
 from tandem.attention import tandem_sdpa
 from tandem.engines import engine as engine_module
 from tandem.engines.engine import TransformersEngine
@@ -121,6 +122,21 @@ def test_the_sampling_noise_is_each_generators_own_exponential_draws():
     assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, twins))
     logits = torch.randn(4, 151_936)
     assert torch.equal(sample(logits, gens, sampling.Workspace(6, 151_936, torch.device("cpu"))), sample(logits, twins))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_a_decode_steps_token_logprobs_in_its_workspace_are_token_logprobs_exactly(temperature):
+    # The decode loop's scaled scores and chosen tokens' log-probs, written into its workspace
+    # (torch.logsumexp's ops written out), against algo's: bitwise, with masked-out (-inf) tokens
+    # and fewer rows than the workspace holds (finished rows left the batch).
+    work = sampling.Workspace(6, 151_936, torch.device("cpu"))
+    logits = torch.randn(4, 151_936, generator=torch.Generator().manual_seed(1)) * 8
+    logits[0, :1000] = float("-inf")
+    tokens = torch.tensor([1000, 5, 151_935, 70_000])
+    expected = token_logprobs(logits.unsqueeze(1), tokens.unsqueeze(1), temperature).squeeze(1)
+    assert torch.equal(sampling.scaled_into(logits, temperature, work), scaled(logits, temperature))
+    for _ in range(2):  # the workspace again, as at every step
+        assert torch.equal(sampling.chosen_logprobs(logits, tokens, temperature, work), expected)
 
 
 def test_filters():

@@ -6,10 +6,9 @@ from typing import Callable, Protocol
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from tandem.algo import scaled, token_logprobs
 from tandem.attention import TANDEM_SDPA
 from tandem.linears import fast_linears
-from tandem.rollout.sampling import Workspace, apply_repetition_penalty, filter_logits, sample
+from tandem.rollout.sampling import Workspace, apply_repetition_penalty, chosen_logprobs, filter_logits, sample, scaled_into
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import check_weights, fingerprint
 
@@ -308,11 +307,11 @@ class TransformersEngine:
         # Reused at every step: a fresh (N, V) tensor is fresh pages to fault in (sampling.Workspace).
         work, logits_f32 = Workspace(n, logits.shape[-1], device), torch.empty_like(logits)
         for step in range(params.max_tokens):
-            scores = scaled(apply_repetition_penalty(logits, seen, params.repetition_penalty), params.temperature)
+            scores = scaled_into(apply_repetition_penalty(logits, seen, params.repetition_penalty), params.temperature, work)
             scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)
             tok = sample(scores, generators, work)  # (M,)
             tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
-            lp = token_logprobs(logits.unsqueeze(1), tok.unsqueeze(1), params.temperature).squeeze(1)  # (M,)
+            lp = chosen_logprobs(logits, tok, params.temperature, work)  # (M,), as token_logprobs
             token_mat[live, step] = tok
             logp_mat[live, step] = lp
             hit_eos = torch.isin(tok, eos) & ~done  # (M,)

@@ -48,13 +48,33 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 class Workspace:
     """What a decode loop samples in, allocated once per call and reused at every step: a fresh
     (N, V) tensor is fresh pages to fault in, 7 ms against 0.2 for 8 rows of 151,936 with the
-    CLI's allocator settings (tandem/cli.py: _return_freed_memory). A step uses the first rows,
-    as many as it samples (finished rows leave the batch)."""
+    CLI's allocator settings (tandem/cli.py: _return_freed_memory). It holds the probabilities,
+    the noise and its doubles, and the scores divided by the temperature. A step uses the first
+    rows, as many as it samples (finished rows leave the batch)."""
 
     def __init__(self, rows: int, width: int, device: torch.device):
         self.probs = torch.empty((rows, width), device=device)
+        self.scores = torch.empty((rows, width), device=device)
         self.noise = torch.empty((rows, width))
         self.uniform = torch.empty(width, dtype=torch.float64)
+
+
+def scaled_into(logits: torch.Tensor, temperature: float, work: Workspace) -> torch.Tensor:
+    """algo.scaled(logits, temperature), (N, V), in `work`'s scores: the same values."""
+    return logits if temperature == 1.0 else torch.div(logits, temperature, out=work.scores[: len(logits)])
+
+
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, work: Workspace) -> torch.Tensor:
+    """algo.token_logprobs of `tokens` (N,) under softmax(logits / temperature), logits (N, V) in
+    float32: the same values, computed in `work` (its scores, and its probabilities as scratch:
+    call it after sampling). torch.logsumexp's ops are written out, as it makes (N, V) tensors
+    of its own. Alone, 8 rows of 151,936 at temperature 0.7 with the CLI's allocator settings:
+    0.5 ms against 5.0 for token_logprobs."""
+    scores = scaled_into(logits, temperature, work)  # (N, V)
+    maxes = scores.amax(-1, keepdim=True)  # (N, 1)
+    maxes.masked_fill_(maxes.abs() == torch.inf, 0)
+    total = torch.sub(scores, maxes, out=work.probs[: len(logits)]).exp_().sum(-1)  # (N,)
+    return scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - total.log_().add_(maxes.squeeze(-1))  # (N,)
 
 
 def sample(logits: torch.Tensor, generators: list[torch.Generator], work: Workspace | None = None) -> torch.Tensor:
