@@ -2,7 +2,7 @@
 
 from tandem.algo.advantages import SCALE_REWARDS, group_advantages, nanstd, zero_std_groups
 from tandem.algo.importance import OFF_POLICY_CORRECTIONS, importance_weights
-from tandem.algo.logprobs import entropy_from_logits, scaled, selective_log_softmax, token_logprobs
+from tandem.algo.logprobs import entropy_from_logits, scaled, selective_log_softmax, selective_log_softmax_into, token_logprobs
 from tandem.algo.losses import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,

@@ -22,6 +22,16 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     return torch.stack([torch.gather(lp, -1, idx.unsqueeze(-1)).squeeze(-1) for lp, idx in zip(rows, index)])
 
 
+def selective_log_softmax_into(scores: torch.Tensor, index: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The float32 path of selective_log_softmax, bitwise, for (N, V) `scores` and (N,) `index`:
+    torch.logsumexp's ops written out, so that its (N, V) intermediate goes into `scratch` (N, V)
+    instead of a tensor of its own (fresh pages to fault in, under the CLI's allocator settings)."""
+    maxes = scores.amax(-1, keepdim=True)  # (N, 1)
+    maxes.masked_fill_(maxes.abs() == torch.inf, 0)
+    total = torch.sub(scores, maxes, out=scratch).exp_().sum(-1)  # (N,)
+    return scores.gather(-1, index.unsqueeze(-1)).squeeze(-1) - total.log_().add_(maxes.squeeze(-1))  # (N,)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs of `tokens` under softmax(logits / temperature), the distribution the sampler drew from.
 

@@ -4,6 +4,8 @@ import functools
 
 import torch
 
+from tandem.algo import selective_log_softmax_into
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -67,14 +69,9 @@ def scaled_into(logits: torch.Tensor, temperature: float, work: Workspace) -> to
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, work: Workspace) -> torch.Tensor:
     """algo.token_logprobs of `tokens` (N,) under softmax(logits / temperature), logits (N, V) in
     float32: the same values, computed in `work` (its scores, and its probabilities as scratch:
-    call it after sampling). torch.logsumexp's ops are written out, as it makes (N, V) tensors
-    of its own. Alone, 8 rows of 151,936 at temperature 0.7 with the CLI's allocator settings:
-    0.5 ms against 5.0 for token_logprobs."""
-    scores = scaled_into(logits, temperature, work)  # (N, V)
-    maxes = scores.amax(-1, keepdim=True)  # (N, 1)
-    maxes.masked_fill_(maxes.abs() == torch.inf, 0)
-    total = torch.sub(scores, maxes, out=work.probs[: len(logits)]).exp_().sum(-1)  # (N,)
-    return scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - total.log_().add_(maxes.squeeze(-1))  # (N,)
+    call it after sampling). Alone, 8 rows of 151,936 at temperature 0.7 with the CLI's allocator
+    settings: 0.8-1.0 ms against 3.9-5.3 for token_logprobs."""
+    return selective_log_softmax_into(scaled_into(logits, temperature, work), tokens, work.probs[: len(logits)])  # (N,)
 
 
 def sample(logits: torch.Tensor, generators: list[torch.Generator], work: Workspace | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tandem.algo import scaled
+from tandem.algo import scaled, selective_log_softmax_into
 from tandem.linears import fast_linears, plain_linear
 
 # The fp32 logits of one chunk: 128 MiB, 220 tokens of a 151,936-token vocabulary (a few such
@@ -96,10 +96,7 @@ def _chunk(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_
         logp = torch.log_softmax(scores, dim=-1)  # (t, V)
         return chosen, -(logp.exp() * logp).sum(-1)
     scores = _scores(logits, temperature, ws)  # (t, V)
-    maxes = scores.amax(-1, keepdim=True)
-    maxes.masked_fill_(maxes.abs() == torch.inf, 0)
-    total = torch.sub(scores, maxes, out=ws.get("p", *scores.shape, torch.float32)).exp_().sum(-1)
-    chosen = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - total.log_().add_(maxes.squeeze(-1))
+    chosen = selective_log_softmax_into(scores, tokens, ws.get("p", *scores.shape, torch.float32))  # (t,)
     if not with_entropy:
         return chosen, None
     logp, p = _log_softmax(scores, ws)
