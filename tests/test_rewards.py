@@ -245,10 +245,16 @@ def test_a_reward_spec_that_does_not_load_is_a_config_error(tiny_model, tmp_path
 
 
 def test_worker_processes_split_the_batch_and_run_signal_timeouts_a_thread_cannot(tmp_path):
-    f = _module(tmp_path, """
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
+    f = _module(tmp_path, f"""
 import os, time
 from math_verify import parse
-def pid(prompts, completions, **kw):
+def pid(prompts, completions, **kw):  # each slice waits for the other: two at once, or none waits long
+    open(os.path.join({str(arrived)!r}, str(os.getpid())), "w").close()
+    end = time.monotonic() + 15
+    while len(os.listdir({str(arrived)!r})) < 2 and time.monotonic() < end:
+        time.sleep(0.02)
     return [float(os.getpid())] * len(completions)
 def parsed(prompts, completions, **kw):  # math-verify's default timeout sets a SIGALRM: main thread only
     return [float(len(parse(c)) > 0) for c in completions]
@@ -261,7 +267,7 @@ def hangs(prompts, completions, **kw):
     try:
         table = score(rewards[:2], prompts=["p"] * 5, completions=["1", "2", "x", "3", "4"])
         pids = table[:, 0].tolist()
-        assert len(set(pids)) == 2 and os.getpid() not in pids  # two slices, one per worker
+        assert len(set(pids)) == 2 and os.getpid() not in pids  # two slices, at once in two workers
         assert pids[:2] == [pids[0]] * 2 and pids[3:] == [pids[4]] * 2  # contiguous slices, in order
         assert table[:, 1].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0]
         rewards[2].fn.timeout = 0.5  # the pool enforces the timeout, and ends the stuck worker
