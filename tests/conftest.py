@@ -128,12 +128,14 @@ def free_port() -> int:
 class Server:
     """`tandem rollout` in its own process."""
 
-    def __init__(self, model, *extra, port: int | None = None, env: dict | None = None):
+    def __init__(self, model, *extra, port: int | None = None, env: dict | None = None, host: str = "127.0.0.1", prefix: tuple = ()):
+        """`host`: the address it binds and is reached at; `prefix`: a command it runs under
+        (machine_b's, another machine's namespaces)."""
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads (a full pipe blocks)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "rollout", "--model", str(model), "--port", str(self.port), *extra],
+            [*prefix, sys.executable, "-m", "tandem.cli", "rollout", "--model", str(model), "--host", host, "--port", str(self.port), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + (300 if "vllm" in extra else 60)  # vLLM starts in 20-60 s
@@ -156,7 +158,10 @@ class Server:
     def stop(self):
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # a server under a prefix whose command does not pass SIGTERM on (machine_b's unshare)
+                self.kill()
         self.log.close()
 
     def kill(self):

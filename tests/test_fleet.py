@@ -1,14 +1,18 @@
 """Several rollout servers as one fleet: shares by speed, a replica that dies or stops taken out
 and its work done by the others, put back when it answers again. Real servers on loopback ports,
-real signals (SIGKILL, SIGSTOP and SIGCONT)."""
+real signals (SIGKILL, SIGSTOP and SIGCONT), and a second machine simulated in namespaces of
+this host's kernel (machine_b)."""
 
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import threading
 import time
 
 import pytest
+import requests
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -17,6 +21,7 @@ from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.client import RolloutClient, RolloutServerError
 from tandem.rollout.fleet import EvenSplit, Fleet, Timed
 from tandem.rollout.types import SamplingParams
+from tandem.rollout.weights import host_id
 from test_async import DIGITS, base_args, read
 
 # What depends on timing, or on the behaviour log-probs (which the loss does not read here): the
@@ -114,6 +119,69 @@ def test_a_fleet_that_loses_one_replica_and_has_one_stopped_trains_as_an_undistu
     # between two calls (nothing in flight to generate again): both are tested below, by the client.
     last = disturbed[-1]
     assert last["servers/down"] == 2 and last["servers/up"] == 1 + last["servers/readded"], last
+
+
+MACHINE_B = "10.213.0.2"  # machine_b's address, at the end of a veth pair whose other end here is 10.213.0.1
+
+
+@pytest.fixture
+def machine_b():
+    """Another machine, simulated on this host: a network namespace with its own address, reached
+    over a veth pair, and for each command started there (the prefix this yields) its own
+    hostname, process tree and /proc, so that no memory of this host's processes can be opened
+    from it (the shared-memory transport opens the trainer's files through /proc). Needs root,
+    iproute2 and util-linux's unshare; skipped without them."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("simulating a second machine needs root, iproute2 and util-linux's unshare")
+    name, veth = f"tandem-b{os.getpid()}", f"tdb{os.getpid() % 100000}"
+    inside = ["ip", "netns", "exec", name]
+    steps = [["ip", "netns", "add", name], ["ip", "link", "add", veth, "type", "veth", "peer", "name", veth + "p"],
+             ["ip", "link", "set", veth + "p", "netns", name], ["ip", "addr", "add", "10.213.0.1/24", "dev", veth], ["ip", "link", "set", veth, "up"],
+             [*inside, "ip", "addr", "add", f"{MACHINE_B}/24", "dev", veth + "p"], [*inside, "ip", "link", "set", veth + "p", "up"],
+             [*inside, "ip", "link", "set", "lo", "up"]]  # fmt: skip
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        pytest.skip(f"no network namespace here ({' '.join(exc.cmd)}: {exc.stderr.strip()})")
+    try:
+        yield (*inside, "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c", 'hostname machine-b && exec "$0" "$@"')
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)  # the veth pair goes with it
+
+
+def test_a_fleet_on_two_machines_pushes_to_the_other_over_http_and_trains_as_one_server(tiny_model, tmp_path, machine_b, monkeypatch):
+    """One replica on the trainer's machine and one on another (machine_b), which binds a
+    reachable address and so needs the key that both replicas and the trainer read from
+    TANDEM_API_KEY. The run trains as a run against the first replica alone does, bit for bit;
+    the other machine's replica served part of each call and holds the last version, which can
+    have reached it only over HTTP."""
+    key = secrets.token_hex(16)
+    monkeypatch.setenv("TANDEM_API_KEY", key)  # the trainer's (cli_here runs it in this process)
+    env = {**ONE_THREAD, "TANDEM_API_KEY": key}
+    (tmp_path / "digits.py").write_text(DIGITS)
+    data = write_jsonl(addition_rows(0), tmp_path / "data.jsonl")
+    here = Server(tiny_model, env=env)
+    there = Server(tiny_model, env=env, host=MACHINE_B, prefix=machine_b)
+    try:
+        extra = ["--max_steps", "4", "--save_steps", "4", "--max_completion_length", "48", "--rollout_mode", "server",
+                 "--off_policy_correction", "none", "--rollout_server_urls"]  # fmt: skip
+        train(1, base_args(tiny_model, data, tmp_path / "alone", 32, *extra, here.url))
+        train(1, base_args(tiny_model, data, tmp_path / "fleet", 32, *extra, here.url, there.url))
+        info = requests.get(there.url + "/info", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+    finally:
+        here.stop()
+        there.kill()  # its unshare, whose child, the server, dies with it (--kill-child)
+        there.stop()
+    assert info["host_id"] != host_id() and info["version"] == 4 and info["stats"]["sequences"] > 0, info
+    (alone, alone_completions), (fleet, fleet_completions) = read(tmp_path / "alone"), read(tmp_path / "fleet")
+    assert [c["completion"] for c in fleet_completions] == [c["completion"] for c in alone_completions]
+    strip = [{k: v for k, v in m.items() if not k.startswith(NOT_RESULTS)} for m in (*alone, *fleet)]
+    assert strip[:4] == strip[4:] and len(strip) == 8
+    a, b = load_file(tmp_path / "alone/checkpoint-4/model.safetensors"), load_file(tmp_path / "fleet/checkpoint-4/model.safetensors")
+    assert all(a[k].equal(b[k]) for k in a)
+    assert fleet[-1]["servers/up"] == 2 and fleet[-1]["servers/down"] == 0
 
 
 def wait_for(condition, proc: subprocess.Popen, limit: float = 60) -> None:
