@@ -155,8 +155,9 @@ def test_a_fleet_on_two_machines_pushes_to_the_other_over_http_and_trains_as_one
     """One replica on the trainer's machine and one on another (machine_b), which binds a
     reachable address and so needs the key that both replicas and the trainer read from
     TANDEM_API_KEY. The run trains as a run against the first replica alone does, bit for bit;
-    the other machine's replica served part of each call and holds the last version, which can
-    have reached it only over HTTP."""
+    the other machine's replica served sequences and holds the last version, which can have
+    reached it only over HTTP (a push by shared memory fails there: it cannot open the trainer's
+    files)."""
     key = secrets.token_hex(16)
     monkeypatch.setenv("TANDEM_API_KEY", key)  # the trainer's (cli_here runs it in this process)
     env = {**ONE_THREAD, "TANDEM_API_KEY": key}
