@@ -68,7 +68,6 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--max_tokens_per_round", "64"], "max_tokens_per_round"),  # partial rollouts need async_generate
         (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "0"], "max_tokens_per_round"),
         (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8", "--rollout_func", "agent.py:run"], "max_tokens_per_round"),
-        (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8", "--dynamic_sample", "true"], "max_tokens_per_round"),
         # Values that trained nothing or never ended, and ones that failed only once the model had loaded.
         (["--learning_rate", "inf"], "learning_rate"),
         (["--max_grad_norm", "inf"], "max_grad_norm"),

@@ -1,5 +1,6 @@
 """DAPO's dynamic sampling through the real CLI: groups whose rewards agree are replaced, in
-sync and async modes, with several processes, reproducibly and with an exact resume."""
+sync and async modes, with partial rollouts and with several processes, reproducibly and with
+an exact resume."""
 
 import json
 
@@ -91,3 +92,36 @@ def test_two_processes_sync_and_async_draw_the_same_rounds(tiny_model, data, ser
     assert [[m[k] for k in keys] for m in sync] == [[m[k] for k in keys] for m in async_]
     assert sum(m["dynamic_sample/dropped_groups"] for m in sync) > 0
     assert [r["completion"] for r in sync_logged] == [r["completion"] for r in async_logged]
+
+
+def test_partial_rollouts_replace_agreeing_groups_at_the_due_version_and_resume_exactly(tiny_model, data, server, tmp_path):
+    # Completions of up to 6 tokens, 2 a version: a sequence spans up to 3 versions, and the
+    # checkpoint at step 3 holds sequences in flight. Replacements are generated whole when
+    # their round is due, at version r - 1.
+    common = ["--dynamic_sample", "true", "--max_resample_times", "8", "--rollout_mode", "server", "--rollout_server_urls", server.url,
+              "--async_generate", "true", "--max_staleness", "2", "--max_tokens_per_round", "2", "--max_steps", "6", "--save_steps", "3"]  # fmt: skip
+    out = tmp_path / "run"
+    train(1, args(tiny_model, data, out, *common))
+    whole, logged = read(out)
+    weights = load_file(out / "checkpoint-6" / "model.safetensors")
+    assert all(m["frac_reward_zero_std"] == 0 for m in whole)
+    assert sum(m["dynamic_sample/dropped_groups"] for m in whole) > 0 and len(logged) == 6 * 16
+    assert all(first_operand(row) % 2 == 1 for row in logged)
+    # The round's own groups carry their tokens' versions, some across an update; replacements
+    # are of one version, the round's due one.
+    carried = [c for c in logged if "token_versions" in c]
+    for c in carried:
+        versions = [v for v, _ in c["token_versions"]]
+        assert all(max(0, c["round"] - 2) <= v <= max(0, c["round"] - 1) for v in versions), (c["round"], c["token_versions"])
+    assert any(len(c["token_versions"]) > 1 for c in carried)
+    replacements = [c for c in logged if "token_versions" not in c]
+    assert replacements and all(c["policy_version"] == max(0, c["round"] - 1) for c in replacements)
+    in_flight = json.loads((out / "checkpoint-3" / "in_flight_0.json").read_text())["flights"]
+    assert any(t["finish"] is None for f in in_flight for t in f["seqs"])  # the resume continues sequences cut short
+    train(1, args(tiny_model, data, out, *common, "--resume_from_checkpoint", out / "checkpoint-3"))
+    resumed, resumed_logged = read(out)
+    keys = ["loss", "reward", "dynamic_sample/dropped_groups", "dynamic_sample/resampled_completions"]
+    assert [[m[k] for k in keys] for m in resumed] == [[m[k] for k in keys] for m in whole]
+    assert [c["completion"] for c in resumed_logged] == [c["completion"] for c in logged]
+    again = load_file(out / "checkpoint-6" / "model.safetensors")
+    assert all((weights[k] == again[k]).all() for k in weights)

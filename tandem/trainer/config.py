@@ -314,7 +314,6 @@ class TrainConfig:
         need(not (self.environment_factory or self.rollout_func or self.agent_func), "max_tokens_per_round",
              "carries trajectories across versions and into checkpoints, which an environment's, a rollout_func's or an agent's own "
              "state cannot follow: with those, drop max_tokens_per_round (tools work with it)")  # fmt: skip
-        need(not self.dynamic_sample, "max_tokens_per_round", "dynamic_sample with partial rollouts is not built yet: drop one of them")
 
     def _validate_tools(self, need) -> None:
         from tandem.rollout.tools import TOOL_PARSERS

@@ -16,7 +16,8 @@ Where a sequence changes weights is fixed by token counts, never by timing:
     (its chunk-th call draws from seed turn_seed(seed, chunk)); then calls without a budget
     finish, alone, the sequences of the rounds due at v that are still unfinished (those longer
     than their versions' budgets: none when k * B >= max_completion_length);
-  a round is scored and handed over when it is due.
+  a round is scored and handed over when it is due; with dynamic sampling, the groups that
+    replace its agreeing ones are generated then, whole, at its due version.
 With tools (multi-turn), a model turn may span calls and versions; when it ends its tools run and
 the results are inserted, and the next turn starts in the next call (Stepwise in multiturn.py).
 So every token trained at round r is of a version in [r - k, r - 1], each sequence's chunks and
@@ -76,6 +77,9 @@ class PartialProducer(AsyncProducer):
 
     def due(self, r: int) -> int:
         return max(0, r - min(self.max_staleness, 1))
+
+    def generate_version(self, r: int) -> int:
+        return self.due(r)  # dynamic sampling's draws are generated whole when the round is due
 
     def last_version(self) -> int:
         return self.due(self.last_round)
@@ -209,11 +213,15 @@ class PartialProducer(AsyncProducer):
     def _finish(self, f: Flight) -> Round:
         """The round as the trainer gets it: its groups in the sampler's order, scored."""
         G = self.num_generations
-        stride = self.sampler.prompts_per_rank * self.sampler.world_size
         prompts = table_prompts(self.table, [i for i in f.indices for _ in range(G)])
-        rollouts = [to_rollout(self.rollouts.finish(t), p, f.indices[k // G], f.index * stride + f.slots[k // G])
+        rollouts = [to_rollout(self.rollouts.finish(t), p, f.indices[k // G], self.group_id(f.index, f.slots[k // G]))
                     for k, (t, p) in enumerate(zip(f.seqs, prompts))]  # fmt: skip
         t = time.perf_counter()
         table, completions = self.score(rollouts)
+        times = [f.generate_seconds, time.perf_counter() - t]  # generate, reward
+        dropped = resampled = 0
+        if self.max_resample_times is not None:  # new groups replace agreeing ones, generated whole at this version
+            rollouts, table, completions, dropped, resampled = self._resample(f.index, rollouts, table, completions, times)
         occupancy = f.occupancy_tokens / f.occupancy_slots if f.occupancy_slots else None
-        return Round(f.index, rollouts, table, completions, f.generate_seconds, time.perf_counter() - t, f.sampler_state, occupancy=occupancy)
+        return Round(f.index, rollouts, table, completions, times[0], times[1], f.sampler_state, dropped_groups=dropped,
+                     resampled_completions=resampled, occupancy=occupancy)  # fmt: skip

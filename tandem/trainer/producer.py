@@ -164,14 +164,21 @@ class SyncProducer:
         prompts = table_prompts(self.table, [i for i in indices for _ in range(G)])
         seeds = [completion_seed(self.seed, r, s, g) for s in slots for g in range(G)]
         t0 = time.perf_counter()
-        trajectories = self.rollouts.generate(self.engine, prompts, self.params, seeds, max(0, r - self.max_staleness))
+        trajectories = self.rollouts.generate(self.engine, prompts, self.params, seeds, self.generate_version(r))
         t1 = time.perf_counter()
-        stride = self.sampler.prompts_per_rank * self.sampler.world_size * (1 + (self.max_resample_times or 0))
-        rollouts = [to_rollout(t, prompts[k], indices[k // G], r * stride + slots[k // G]) for k, t in enumerate(trajectories)]
+        rollouts = [to_rollout(t, prompts[k], indices[k // G], self.group_id(r, slots[k // G])) for k, t in enumerate(trajectories)]
         table, completions = self.score(rollouts)
         times[0] += t1 - t0
         times[1] += time.perf_counter() - t1
         return rollouts, table, completions
+
+    def generate_version(self, r: int) -> int:
+        """The version round r's whole generate calls are made at (the least the engine may serve)."""
+        return max(0, r - self.max_staleness)
+
+    def group_id(self, r: int, slot: int) -> int:
+        """A group's id, unique in the run: its round and its slot, resampled slots included."""
+        return r * self.sampler.prompts_per_rank * self.sampler.world_size * (1 + (self.max_resample_times or 0)) + slot
 
     def _resample(self, r: int, rollouts: list[Rollout], table: torch.Tensor, completions: list, times: list[float]):
         """DAPO's dynamic sampling: groups whose rewards all agree are replaced by groups of new
