@@ -128,15 +128,18 @@ def test_the_sampling_noise_is_each_generators_own_exponential_draws():
 def test_a_decode_steps_token_logprobs_in_its_workspace_are_token_logprobs_exactly(temperature):
     # The decode loop's scaled scores and chosen tokens' log-probs, written into its workspace
     # (torch.logsumexp's ops written out), against algo's: bitwise, with masked-out (-inf) tokens
-    # and fewer rows than the workspace holds (finished rows left the batch).
+    # and fewer rows than the workspace holds (finished rows left the batch). The loop samples
+    # from the scaled scores first, in the same workspace.
     work = sampling.Workspace(6, 151_936, torch.device("cpu"))
     logits = torch.randn(4, 151_936, generator=torch.Generator().manual_seed(1)) * 8
     logits[0, :1000] = float("-inf")
     tokens = torch.tensor([1000, 5, 151_935, 70_000])
     expected = token_logprobs(logits.unsqueeze(1), tokens.unsqueeze(1), temperature).squeeze(1)
-    assert torch.equal(sampling.scaled_into(logits, temperature, work), scaled(logits, temperature))
     for _ in range(2):  # the workspace again, as at every step
-        assert torch.equal(sampling.chosen_logprobs(logits, tokens, temperature, work), expected)
+        scores = sampling.scaled_into(logits, temperature, work)
+        assert torch.equal(scores, scaled(logits, temperature))
+        sample(scores, [torch.Generator().manual_seed(k) for k in range(4)], work)
+        assert torch.equal(sampling.chosen_logprobs(scores, tokens, work), expected)
 
 
 def test_filters():

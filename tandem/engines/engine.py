@@ -307,11 +307,13 @@ class TransformersEngine:
         # Reused at every step: a fresh (N, V) tensor is fresh pages to fault in (sampling.Workspace).
         work, logits_f32 = Workspace(n, logits.shape[-1], device), torch.empty_like(logits)
         for step in range(params.max_tokens):
-            scores = scaled_into(apply_repetition_penalty(logits, seen, params.repetition_penalty), params.temperature, work)
-            scores = filter_logits(scores, params.top_k, params.top_p, params.min_p)
-            tok = sample(scores, generators, work)  # (M,)
+            penalised = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+            scores = scaled_into(penalised, params.temperature, work)  # (M, V)
+            tok = sample(filter_logits(scores, params.top_k, params.top_p, params.min_p), generators, work)  # (M,)
             tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
-            lp = chosen_logprobs(logits, tok, params.temperature, work)  # (M,), as token_logprobs
+            if penalised is not logits:  # the log-probs are of the scores before the penalty
+                scores = scaled_into(logits, params.temperature, work)
+            lp = chosen_logprobs(scores, tok, work)  # (M,), as token_logprobs
             token_mat[live, step] = tok
             logp_mat[live, step] = lp
             hit_eos = torch.isin(tok, eos) & ~done  # (M,)
