@@ -21,6 +21,7 @@ from tandem.init_model import save, warmup_sft
 from tandem.rollout.client import RolloutClient
 from tandem.rollout.types import SamplingParams
 from test_async import DIGITS, ENV, base_args, command, read, train, weight_gap
+from test_dynamic_sample import HALF_AGREE
 from test_multiturn import ROUNDS, ROUNDS_AGENT, TOOL_RESULTS, warmed_up_on_tools
 
 pytestmark = needs_vllm
@@ -126,6 +127,21 @@ def test_partial_rollouts_with_tools_carry_a_turn_across_versions_through_vllm(m
     assert all(m["tools/calculator/call_frequency"] > 0 and m["grad_norm"] > 0 for m in metrics)
     # vLLM's log-probs of a continued turn, after the inserted result, are what the trainer recomputes
     assert metrics[0]["kl_behav_proximal"] < 1e-8
+
+
+def test_partial_rollouts_replace_agreeing_groups_with_whole_vllm_generations_at_the_due_version(model64, data, server, tmp_path):
+    # The round's own groups decode 2 tokens a version, across versions; when the round is due,
+    # its agreeing groups are replaced by groups that vLLM generates whole at that version.
+    (tmp_path / "half_agree.py").write_text(HALF_AGREE)
+    args = base_args(model64, data, tmp_path / "run", 16, "--max_steps", "4", *served(server, "--async_generate", "true"), "--max_staleness", "2",
+                     "--max_tokens_per_round", "2", "--max_completion_length", "6", "--reward_funcs", f"{tmp_path / 'half_agree.py'}:half_agree",
+                     "--dynamic_sample", "true", "--max_resample_times", "8")  # fmt: skip
+    train(1, args)
+    metrics, completions = read(tmp_path / "run")
+    assert sum(m["dynamic_sample/dropped_groups"] for m in metrics) > 0 and all(m["frac_reward_zero_std"] == 0 for m in metrics)
+    assert any(len(c["token_versions"]) > 1 for c in completions if "token_versions" in c)
+    replacements = [c for c in completions if "token_versions" not in c]
+    assert replacements and all(c["policy_version"] == max(0, c["round"] - 1) for c in replacements)
 
 
 def test_the_demo_task_reward_rises_with_a_vllm_server(tmp_path):
