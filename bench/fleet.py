@@ -6,10 +6,12 @@ default), alternating call by call in one run.
     python bench/fleet.py [--size small] [--prompts 32] [--max-tokens 128] [--calls 6]
 
 The straggler is produced by this script: a thread stops that replica's process for half of
-every 100 ms (SIGSTOP, then SIGCONT), so it runs at half speed whatever it does. Three replicas
-would share this machine's two cores, so none of them would run at a known speed: the run uses
-two (more where the machine has the cores: --replicas). The first two calls of each client in
-each phase learn the replicas' times and are not counted.
+every 100 ms (SIGSTOP, then SIGCONT), so it runs at half speed whatever it does. With more
+replicas than cores (--replicas 3 on two), none is pinned: each runs in a CPU cgroup of its own
+that caps it at cores / replicas of a core (cpu.cfs_quota_us, or cpu.max where the machine has
+cgroup v2; needs root), so each runs at a known speed, as on machines of equal size, and the
+straggler's cap is half that. The first two calls of each client in each phase learn the
+replicas' times and are not counted.
 """
 
 import argparse
@@ -35,6 +37,29 @@ def throttle(pid: int, stop: threading.Event, period: float = 0.1) -> None:
         time.sleep(period / 2)
 
 
+class CpuCap:
+    """A CPU cgroup that holds a process to `cores` of CPU time (over periods of 100 ms)."""
+
+    def __init__(self, name: str):
+        v1 = Path("/sys/fs/cgroup/cpu")
+        self.dir = (v1 if v1.is_dir() else Path("/sys/fs/cgroup")) / name
+        self.dir.mkdir(exist_ok=True)
+
+    def set(self, cores: float) -> None:
+        quota = int(cores * 100_000)
+        if (self.dir / "cpu.max").exists():  # cgroup v2
+            (self.dir / "cpu.max").write_text(f"{quota} 100000")
+        else:
+            (self.dir / "cpu.cfs_period_us").write_text("100000")
+            (self.dir / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def hold(self, pid: int) -> None:
+        (self.dir / "cgroup.procs").write_text(str(pid))
+
+    def remove(self) -> None:
+        self.dir.rmdir()  # its processes are gone by then
+
+
 def tokens_per_second(client: RolloutClient, prompts, seeds, params) -> float:
     start = time.perf_counter()
     out = client.generate(prompts, params, seeds)
@@ -47,16 +72,28 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32, help="completions per call")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--calls", type=int, default=8, help="calls per figure")
-    ap.add_argument("--replicas", type=int, default=min(os.cpu_count() or 1, 3), help="replicas, one core each")
+    ap.add_argument("--replicas", type=int, default=min(os.cpu_count() or 1, 3),
+                    help="replicas, one core each; more than the cores: each capped at cores / replicas by a cgroup (root)")
+    ap.add_argument("--cap", type=float, help="with more replicas than cores: each replica's cap in cores (default cores / replicas)")
     args = ap.parse_args()
-    k = args.replicas
+    k, cores = args.replicas, os.cpu_count() or 1
+    capped = k > cores
+    cap_cores = args.cap or cores / k
     prompts = [[1, 40 + i % 50, 60, 70, 80] for i in range(args.prompts)]
     seeds = list(range(args.prompts))
     params = SamplingParams(max_tokens=args.max_tokens)
 
     with tempfile.TemporaryDirectory() as tmp:
         init_model(Path(tmp) / "model", size=args.size, seed=0)
-        servers = [start_server(Path(tmp) / "model", "--threads", "1", prefix=["taskset", "-c", str(i)]) for i in range(k)]
+        if capped:
+            caps = [CpuCap(f"tandem-fleet-{os.getpid()}-{i}") for i in range(k)]
+            for cap in caps:
+                cap.set(cap_cores)
+            servers = [start_server(Path(tmp) / "model", "--threads", "1") for _ in range(k)]
+            for cap, (proc, _) in zip(caps, servers):
+                cap.hold(proc.pid)
+        else:
+            servers = [start_server(Path(tmp) / "model", "--threads", "1", prefix=["taskset", "-c", str(i)]) for i in range(k)]
         urls = [url for _, url in servers]
         try:
             clients = {"even": RolloutClient(urls, balance="even"), "speed": RolloutClient(urls, balance="speed")}
@@ -78,15 +115,19 @@ def main() -> None:
 
             even_fleet = alternate(["one", "even", "speed"])
             stop = threading.Event()
-            threading.Thread(target=throttle, args=(servers[-1][0].pid, stop), daemon=True).start()
+            if capped:
+                caps[-1].set(cap_cores / 2)
+            else:
+                threading.Thread(target=throttle, args=(servers[-1][0].pid, stop), daemon=True).start()
             try:
                 straggler = alternate(["even", "speed"])
             finally:
                 stop.set()
                 time.sleep(0.2)
                 os.kill(servers[-1][0].pid, signal.SIGCONT)
+            each = f"capped at {cap_cores:.2f} of a core" if capped else "one core"
             print(f"model {args.size}, {args.prompts} completions of up to {args.max_tokens} tokens a call, median of {args.calls} calls; "
-                  f"{k} replicas, one core and one thread each; completion tokens/s")  # fmt: skip
+                  f"{k} replicas, {each} and one thread each; completion tokens/s")  # fmt: skip
             print("| fleet | even shares | speed shares |\n|---|---|---|")
             print(f"| 1 replica | {even_fleet['one']:.0f} | |")
             print(f"| {k} replicas | {even_fleet['even']:.0f} | {even_fleet['speed']:.0f} |")
@@ -99,6 +140,9 @@ def main() -> None:
         finally:
             for proc, _ in servers:
                 proc.kill()
+                proc.wait()
+            for cap in caps if capped else ():
+                cap.remove()
 
 
 if __name__ == "__main__":
