@@ -353,6 +353,69 @@ class Guess:
         return float(self.guesses)
 
 
+class Safe(Guess):
+    """Guess with a tool method: the code opens once the model has tried it twice."""
+
+    def reset(self, **row):
+        self.tries = 0
+        return super().reset(**row)
+
+    def try_code(self, code: str) -> str:
+        """Try a code on the safe.
+
+        Args:
+            code: the code
+        """
+        self.tries += 1
+        return "open" if self.tries == 2 else f"locked ({self.tries} tries)"
+
+
+@pytest.mark.quick
+def test_a_trajectory_in_flight_gets_its_environment_back_by_replay_and_a_nondeterministic_one_is_refused():
+    # Partial rollouts save trajectories in flight without their environment: restoring one
+    # asks a new environment what the old one was asked (steps and tool methods) and checks
+    # each answer. Then both go on alike.
+    mt, tok, _ = _multi_turn(environment_factory=Safe, tools=())
+    prompt = _prompts(tok, [], ["Open the safe"])[0]
+    live = mt.begin(prompt, 7)
+
+    def turn(t, text):
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [EOS]
+        said = mt.take(t, Completion(ids, [-0.5] * len(ids), "stop", 2))
+        mt.respond([(t, said)])
+
+    turn(live, _call_safe("1234"))  # a tool method of the environment
+    turn(live, "I give up")  # a step
+    saved = json.loads(json.dumps(live.saved()))  # as the checkpoint holds it
+    assert [e.get("tool", "step") for e in saved["env_log"]] == ["try_code", "step"]
+    back = mt.restore(saved, prompt)
+    assert (back.env.tries, back.env.guesses) == (live.env.tries, live.env.guesses) == (1, 1)
+    for t in (live, back):
+        turn(t, _call_safe("9999"))
+    assert live.shown[-1] == back.shown[-1] == {"role": "tool", "name": "try_code", "content": "open"}
+    assert mt.finish(back).token_ids == mt.finish(live).token_ids
+
+    class Drifting(Safe):  # its answers depend on how many safes were made before it
+        made = 0
+
+        def reset(self, **row):
+            Drifting.made += 1
+            return super().reset(**row)
+
+        def step(self, text: str):
+            return f"guess {Drifting.made}"
+
+    mt, tok, _ = _multi_turn(environment_factory=Drifting, tools=())
+    live = mt.begin(prompt, 7)
+    turn(live, "3")
+    with pytest.raises(TrajectoryError, match=r"its call 1 of 1 \(step\) answered otherwise than before the checkpoint"):
+        mt.restore(json.loads(json.dumps(live.saved())), prompt)
+
+
+def _call_safe(code: str) -> str:
+    return f'<tool_call>{json.dumps({"name": "try_code", "arguments": {"code": code}})}</tool_call>'
+
+
 @pytest.mark.quick
 def test_a_template_that_rewrites_earlier_turns_is_detected_and_the_models_tokens_are_kept():
     assert REWRITING_TEMPLATE != CHAT_TEMPLATE
@@ -857,6 +920,23 @@ def test_a_killed_partial_rollouts_run_with_tools_resumes_bitwise_with_turns_acr
     assert all(m["staleness/max"] <= 3 and m["tools/calculator/call_frequency"] > 0 and m["grad_norm"] > 0 for m in metrics)
     in_flight = json.loads((latest / "in_flight_0.json").read_text())  # trajectories saved mid-way, with their turns
     assert any(t["finish"] is None and t["ids"] for f in in_flight["flights"] for t in f["seqs"])
+    _assert_resumes_bitwise(tool_model, data, tmp_path, extra, steps=6)
+
+
+def test_a_killed_partial_rollouts_run_with_an_environment_resumes_bitwise_by_replaying_its_steps(tool_model, files, server, tmp_path):
+    # Rounds' three turns in calls of 8 tokens: a turn spans versions, and the checkpoint holds
+    # trajectories in flight without their environments, which the resumed run makes again by
+    # replaying the steps each saw (its reward counts the digits of every turn).
+    folder, data = files
+    extra = ["--max_steps", "6", "--save_steps", "2", "--reward_funcs", "environment", "--environment_factory", f"{folder / 'rounds.py'}:Rounds",
+             "--rollout_mode", "server", "--rollout_server_urls", server.url, "--async_generate", "true", "--max_staleness", "3",
+             "--max_tokens_per_round", "8", "--learning_rate", "1e-3"]  # fmt: skip
+    latest = _whole_and_killed(tool_model, data, tmp_path, extra)
+    metrics, completions = _read(tmp_path / "whole")
+    assert any(len(c["token_versions"]) > 1 and c["turns"]["turns"] > 1 for c in completions), "a trajectory of several turns spans versions"
+    assert all(max(0, c["round"] - 3) <= v <= max(0, c["round"] - 1) for c in completions for v, _ in c["token_versions"])
+    in_flight = [t for f in json.loads((latest / "in_flight_0.json").read_text())["flights"] for t in f["seqs"]]
+    assert any(t["finish"] is None and t["env_log"] for t in in_flight), "a trajectory saved after a step of its environment"
     _assert_resumes_bitwise(tool_model, data, tmp_path, extra, steps=6)
 
 

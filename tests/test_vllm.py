@@ -83,26 +83,32 @@ def test_async_generation_is_version_exact(model64, data, server, tmp_path):
     assert max(m["kl_behav_proximal"] for m in metrics[:1]) < 1e-8
 
 
-@pytest.mark.parametrize("kind", ["environment", "agent"])
+@pytest.mark.parametrize("kind", ["environment", "agent", "environment, partial"])
 def test_an_async_multi_turn_run_is_version_exact_and_trains_the_engines_tokens(model64, data, server, tmp_path, kind):
     # model64 after a few steps of the demo's warm-up, so that its turns end (the random model's
     # seldom do); the Rounds environment answers each turn twice, then ends the trajectory. Each
     # turn is a request to vLLM with the round's min_version. As an agent (agent_func), Rounds
     # asks through OpenAI's client at the trainer's endpoint, which sends each turn to vLLM so.
+    # With partial rollouts, vLLM continues a turn at the next version from its exact tokens.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tok = AutoModelForCausalLM.from_pretrained(model64), AutoTokenizer.from_pretrained(model64)
     warmup_sft(model, tok, warmup_pairs(0), steps=40)
     save(model, tok, tmp_path / "model")
     (tmp_path / "rounds.py").write_text(ROUNDS + ROUNDS_AGENT)
-    rounds = ["--environment_factory", f"{tmp_path / 'rounds.py'}:Rounds"] if kind == "environment" else ["--agent_func", f"{tmp_path / 'rounds.py'}:rounds"]
+    rounds = ["--environment_factory", f"{tmp_path / 'rounds.py'}:Rounds"] if "environment" in kind else ["--agent_func", f"{tmp_path / 'rounds.py'}:rounds"]
+    partial = kind.endswith("partial")
+    ahead = ["--max_staleness", "3", "--max_tokens_per_round", "16"] if partial else ["--max_staleness", "1"]
     args = base_args(tmp_path / "model", data, tmp_path / "run", 16, "--max_steps", "4", *served(server, "--async_generate", "true"),
-                     "--max_staleness", "1", "--reward_funcs", "environment", *rounds, "--max_completion_length", "160", "--learning_rate", "1e-3")  # fmt: skip
+                     *ahead, "--reward_funcs", "environment", *rounds, "--max_completion_length", "160", "--learning_rate", "1e-3")  # fmt: skip
     train(1, args)
     metrics, completions = read(tmp_path / "run")
     for c in completions:  # three turns, unless max_completion_length ends it first
-        turns = c["turns"]["versions"]
-        assert turns == [max(0, c["round"] - 1)] * len(turns) and (len(turns) == 3 or c["finish_reason"] == "length"), (c["round"], turns)
+        turns, r = c["turns"]["versions"], c["round"]
+        versions = {v for v, _ in c["token_versions"]} if partial else set(turns)
+        assert versions <= set(range(max(0, r - 3), max(0, r - 1) + 1)) if partial else turns == [max(0, r - 1)] * len(turns), (r, c)
+        assert len(turns) == 3 or c["finish_reason"] == "length", (r, turns)
+    assert not partial or any(len(c["token_versions"]) > 1 for c in completions), "a trajectory spans versions"
     assert min(m["multi_turn/turns/mean"] for m in metrics) > 2
     # vLLM's tokens and log-probs are what the trainer recomputes, around the inserted tokens
     assert metrics[0]["kl_behav_proximal"] < 1e-8

@@ -15,6 +15,7 @@ tokens the model produced.
 
 import asyncio
 import copy
+import hashlib
 import json
 import sys
 import threading
@@ -81,7 +82,9 @@ class Stepwise(Protocol):
 
     def finish(self, t: "Live") -> Trajectory: ...
 
-    def restore(self, saved: dict) -> "Live": ...
+    def restore(self, saved: dict, prompt: Prompt) -> "Live":
+        """A trajectory from a checkpoint (Live.saved), begun from `prompt`."""
+        ...
 
 
 class SingleTurn:
@@ -107,7 +110,7 @@ class SingleTurn:
     def finish(self, t: "Live") -> Trajectory:
         return Trajectory(t.ids, t.logprobs, None, t.finish, min((v for v, _ in t.runs), default=t.turn_version), token_versions=t.runs)
 
-    def restore(self, saved: dict) -> "Live":
+    def restore(self, saved: dict, prompt: Prompt) -> "Live":
         return Live.restore(saved, {})
 
     def close(self) -> None:
@@ -201,6 +204,10 @@ class Live:
     turn_version: int = 0
     chunks: int = 0
     runs: list = field(default_factory=list)
+    # What its environment was asked, in order ({"step": text} or {"tool": name, "arguments": ...})
+    # with a digest of each answer: a checkpoint cannot hold the environment, so a resumed run
+    # makes it again by asking the same (MultiTurn.restore).
+    env_log: list = field(default_factory=list)
 
     def saved(self) -> dict:
         """What a checkpoint keeps of it (JSON): everything but its tools, which are the run's."""
@@ -318,8 +325,24 @@ class MultiTurn:
     def finish(self, t: Live) -> Trajectory:
         return replace(self._finish(t), token_versions=t.runs)
 
-    def restore(self, saved: dict) -> Live:
-        return Live.restore(saved, self.tools)
+    def restore(self, saved: dict, prompt: Prompt) -> Live:
+        """With an environment, a new one from environment_factory, reset with the prompt's row
+        and asked again what the trajectory's asked before the checkpoint; each answer must be
+        the one it gave then (its digest), or the resumed run would go on from another state."""
+        t = Live.restore(saved, self.tools)
+        if self.environment_factory is None:
+            return t
+        fresh = self._start(prompt, t.seed)
+        t.env, t.tools = fresh.env, fresh.tools
+        log = t.env_log
+        differs = "reset" if fresh.prompt_ids != t.prompt_ids else next(  # reset's observation is in the prompt
+            (f"its call {k + 1} of {len(log)} ({e.get('tool', 'step')})" for k, e in enumerate(log) if _digest(self._ask(t, e)) != e["answer"]), None)
+        if differs is not None:
+            raise TrajectoryError(f"environment_factory: a trajectory in flight at the checkpoint is restored by asking a new environment "
+                                  f"what its own was asked, and {differs} answered otherwise than before the checkpoint. A resumed run "
+                                  "with max_tokens_per_round needs an environment whose answers follow from reset's row and its calls "
+                                  "(seed its randomness from them)")  # fmt: skip
+        return t
 
     def _all_finished(self, live: list) -> bool:
         """Whether the round's turns are over: nothing live here, and with `all_done` on any process."""
@@ -382,23 +405,37 @@ class MultiTurn:
         # Each trajectory has its own environment, so their steps run at once in the tools' pool
         # (a step that waits on a game server or a judge need not wait for the others').
         steps = [self.runner.pool.submit(_environment_call, t.env.step, "step", text) for t, text in stepping]
-        for (t, _), step in zip(stepping, steps):
-            try:
-                observation = step.result(timeout=self.runner.timeout)
-            except FutureTimeout:
-                raise TrajectoryError(f"environment_factory: step took longer than tool_timeout ({self.runner.timeout:g}s)") from None
+        for (t, text), step in zip(stepping, steps):
+            observation = self._observation(step)
+            t.env_log.append({"step": text, "answer": _digest(observation)})
             if observation is None:
                 t.finish = "stop"
             else:
                 self._insert(t, [{"role": "user", "content": str(observation)}])
         results = self.runner.run(calls)
         new: dict[int, tuple[Live, list]] = {}
+        env_methods = {tool.name for tool in self.env_tools}
         for t, call, result in zip(owners, calls, results):
             t.calls.append({"name": result.name, "ok": result.ok, "seconds": result.seconds})
+            if t.env is not None and call[1].name in env_methods:
+                t.env_log.append({"tool": call[1].name, "arguments": call[1].arguments, "answer": _digest(result.content)})
             content = self._cap(result.content, self.max_length - len(t.ids))
             new.setdefault(id(t), (t, []))[1].append({"role": "tool", "name": call[1].name, "content": content})
         for t, messages in new.values():
             self._insert(t, messages)
+
+    def _ask(self, t: Live, entry: dict):
+        """Ask t's environment again what env_log's `entry` asked; its answer."""
+        if "step" in entry:
+            return self._observation(self.runner.pool.submit(_environment_call, t.env.step, "step", entry["step"]))
+        return self.runner.run([(t.tools, ToolCall(entry["tool"], entry["arguments"]))])[0].content
+
+    def _observation(self, step):
+        """What an environment's step (a future in the tools' pool) returned, within tool_timeout."""
+        try:
+            return step.result(timeout=self.runner.timeout)
+        except FutureTimeout:
+            raise TrajectoryError(f"environment_factory: step took longer than tool_timeout ({self.runner.timeout:g}s)") from None
 
     def _cap(self, content: str, room: int) -> str:
         """A tool's result as the model sees it (and completions.jsonl shows it): at most
@@ -451,6 +488,11 @@ def _environment_call(fn: Callable, what: str, *args, **kwargs):
         raise TrajectoryError(f"environment_factory: {what} called sys.exit({exc.code!r})") from None
     except Exception as exc:
         raise TrajectoryError(f"environment_factory: {what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _digest(answer) -> str:
+    """An environment's answer as the model is shown it (its text), as Live.env_log keeps it."""
+    return hashlib.sha256(("\x00none" if answer is None else str(answer)).encode()).hexdigest()[:16]
 
 
 def _reward_number(value) -> float | None:

@@ -311,9 +311,9 @@ class TrainConfig:
         need(self.max_tokens_per_round >= 1, "max_tokens_per_round", "must be >= 1, or none to generate whole rounds")
         need(self.async_generate, "max_tokens_per_round", "needs async_generate true and max_staleness >= 2: sequences carry over to later "
              "versions only while a round waits to be trained (with max_staleness 0 every token must be of the version that trains it)")  # fmt: skip
-        need(not (self.environment_factory or self.rollout_func or self.agent_func), "max_tokens_per_round",
-             "carries trajectories across versions and into checkpoints, which an environment's, a rollout_func's or an agent's own "
-             "state cannot follow: with those, drop max_tokens_per_round (tools work with it)")  # fmt: skip
+        need(not (self.rollout_func or self.agent_func), "max_tokens_per_round",
+             "carries trajectories across versions and into checkpoints, which a rollout_func's or an agent's own state cannot "
+             "follow: with those, drop max_tokens_per_round (tools and environment_factory work with it)")  # fmt: skip
 
     def _validate_tools(self, need) -> None:
         from tandem.rollout.tools import TOOL_PARSERS

@@ -54,8 +54,9 @@ class Flight:
         return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "seqs"}, "seqs": [t.saved() for t in self.seqs]}
 
     @classmethod
-    def restore(cls, saved: dict, turns: Stepwise) -> "Flight":
-        return cls(**{**saved, "seqs": [turns.restore(t) for t in saved["seqs"]]})
+    def restore(cls, saved: dict, turns: Stepwise, prompts: list) -> "Flight":
+        """From saved(); `prompts`: its completions' prompts, in order."""
+        return cls(**{**saved, "seqs": [turns.restore(t, p) for t, p in zip(saved["seqs"], prompts, strict=True)]})
 
 
 class PartialProducer(AsyncProducer):
@@ -91,7 +92,9 @@ class PartialProducer(AsyncProducer):
         for rnd in ready:
             self._future(rnd.index).set_result(rnd)
         if carried is not None:
-            self._flights = {f["index"]: Flight.restore(f, self.rollouts) for f in carried["flights"]}
+            G = self.num_generations
+            self._flights = {f["index"]: Flight.restore(f, self.rollouts, table_prompts(self.table, [i for i in f["indices"] for _ in range(G)]))
+                             for f in carried["flights"]}  # fmt: skip
             self._next_admit = carried["next_admit"]
             self._first_version = carried["version"] + 1
             self._saved[carried["version"]] = carried  # a checkpoint before the next pass keeps it again
