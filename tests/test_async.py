@@ -68,8 +68,8 @@ def read(out):
     return metrics, completions
 
 
-@pytest.mark.parametrize("mode", ["colocate_sync", "colocate_sync_accelerate", "server_sync", pytest.param("server_async", marks=pytest.mark.quick),
-                                  "server_async_partial"])
+@pytest.mark.parametrize("mode", ["colocate_sync", "colocate_sync_accelerate", "colocate_sync_partial", "server_sync",
+                                  pytest.param("server_async", marks=pytest.mark.quick), "server_async_partial"])
 def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, data, server, tmp_path, mode):
     extra = ["--max_steps", "4"]
     if not mode.startswith("colocate"):
@@ -80,8 +80,10 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
         extra += ["--rollout_mode", "server", "--rollout_server_urls", server.url, "--off_policy_correction", "none"]
     if mode == "server_async":
         extra += ["--async_generate", "true", "--max_staleness", "1"]
-    if mode == "server_async_partial":  # sequences of 4 tokens in 2 passes, across versions
-        extra += ["--async_generate", "true", "--max_staleness", "2", "--max_tokens_per_round", "2"]
+    if mode == "server_async_partial":
+        extra += ["--async_generate", "true"]
+    if mode.endswith("partial"):  # sequences of 4 tokens in 2 passes, across versions
+        extra += ["--max_staleness", "2", "--max_tokens_per_round", "2"]
     train(1, base_args(tiny_model, data, tmp_path / "one", 32, *extra))
     train(2, base_args(tiny_model, data, tmp_path / "two", 16, *extra), launcher="accelerate" if mode.endswith("accelerate") else "torchrun",
           trace=tmp_path / "trace")  # fmt: skip
@@ -100,7 +102,7 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
     # steps at lr 1e-2 leave differences of a few 1e-6 (measured 4e-6 to 2e-5).
     worst = weight_gap(tmp_path / "one", tmp_path / "two", 4)
     assert worst < 1e-4, worst
-    if mode == "server_async_partial":  # rank 0's tokens have the same versions in both, and some sequences crossed an update
+    if mode.endswith("partial"):  # rank 0's tokens have the same versions in both, and some sequences crossed an update
         versions = [[c["token_versions"] for c in cs if c["round"] == r][:16] for cs in (one_c, two_c) for r in range(4)]
         assert versions[:4] == versions[4:] and any(len(v) > 1 for rnd in versions for v in rnd)
 
@@ -132,6 +134,35 @@ def test_partial_rollouts_keep_each_token_within_max_staleness_and_a_killed_run_
     assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics] and [m["reward"] for m in resumed] == [m["reward"] for m in metrics]
     assert [c["token_versions"] for c in resumed_c] == [c["token_versions"] for c in completions]
     assert weight_gap(tmp_path / "whole", out, 8) == 0.0
+
+
+def test_partial_rollouts_without_a_background_thread_make_the_async_run_and_resume_exactly_colocated(tiny_model, data, server, tmp_path):
+    # In sync mode (a server, or colocated) the trainer's request for a round first runs the
+    # calls of the live version: the rounds, versions and tokens of the async run, bit for bit.
+    # Colocated, those tokens are of older weights too, so the behaviour log-probs go into the loss.
+    partial = ["--max_steps", "6", "--max_completion_length", "12", "--max_staleness", "3", "--max_tokens_per_round", "4"]
+    served = ["--rollout_mode", "server", "--rollout_server_urls", server.url]
+    train(1, base_args(tiny_model, data, tmp_path / "async", 16, *partial, *served, "--async_generate", "true"))
+    train(1, base_args(tiny_model, data, tmp_path / "sync", 16, *partial, *served))
+    (a, a_c), (b, b_c) = read(tmp_path / "async"), read(tmp_path / "sync")
+    assert [c["token_versions"] for c in a_c] == [c["token_versions"] for c in b_c] and any(len(c["token_versions"]) > 1 for c in a_c)
+    assert [c["completion"] for c in a_c] == [c["completion"] for c in b_c]
+    assert [m["loss"] for m in a] == [m["loss"] for m in b] and weight_gap(tmp_path / "async", tmp_path / "sync", 6) == 0.0
+    out = tmp_path / "colocated"
+    train(1, base_args(tiny_model, data, out, 16, *partial, "--save_steps", "3"))
+    whole, whole_c = read(out)
+    for c in whole_c:  # every token of round r is of a version in [r - 3, r - 1] (round 0: 0)
+        assert all(max(0, c["round"] - 3) <= v <= max(0, c["round"] - 1) for v, _ in c["token_versions"]), (c["round"], c["token_versions"])
+    assert any(len(c["token_versions"]) > 1 for c in whole_c) and max(m["staleness/max"] for m in whole) == 3
+    assert all("kl_behav_proximal" in m for m in whole)
+    in_flight = json.loads((out / "checkpoint-3" / "in_flight_0.json").read_text())
+    assert any(t["finish"] is None and t["ids"] for f in in_flight["flights"] for t in f["seqs"])
+    final = load_file(out / "checkpoint-6" / "model.safetensors")
+    train(1, base_args(tiny_model, data, out, 16, *partial, "--save_steps", "3", "--resume_from_checkpoint", out / "checkpoint-3"))
+    resumed, resumed_c = read(out)
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in whole] and [c["completion"] for c in resumed_c] == [c["completion"] for c in whole_c]
+    again = load_file(out / "checkpoint-6" / "model.safetensors")
+    assert all((final[k] == again[k]).all() for k in final)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])

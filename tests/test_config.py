@@ -58,6 +58,7 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--fsdp_config", '{"version": 2}'], "fsdp_config"),
         (["--fsdp", "full_shard", "--use_peft", "true"], "fsdp"),
         (["--fsdp", "full_shard", "--dynamic_sample", "true"], "fsdp"),
+        (["--fsdp", "full_shard", "--max_tokens_per_round", "8", "--max_staleness", "2"], "fsdp"),  # colocated: ranks' calls differ
         (["--tools", "calculator", "--tool_parser", "xml"], "tool_parser"),
         (["--tools", "calculator", "--tool_timeout", "0"], "tool_timeout"),
         (["--tools", "calculator", "--max_tool_calling_iterations", "-1"], "max_tool_calling_iterations"),
@@ -65,7 +66,6 @@ def test_yaml_then_command_line_overrides(tmp_path):
         (["--rollout_func", "agent.py:run", "--fsdp", "full_shard"], "fsdp"),
         (["--reward_funcs", "environment"], "reward_funcs"),
         (["--rollout_func", "agent.py:run", "--tools", "calculator"], "rollout_func"),
-        (["--max_tokens_per_round", "64"], "max_tokens_per_round"),  # partial rollouts need async_generate
         (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "0"], "max_tokens_per_round"),
         (["--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8", "--rollout_func", "agent.py:run"], "max_tokens_per_round"),
         # Values that trained nothing or never ended, and ones that failed only once the model had loaded.
@@ -122,11 +122,13 @@ def test_bad_config_fails_through_the_cli_before_the_model_loads(tmp_path):
 def test_options_without_effect_in_the_run_warn_naming_what_they_need():
     warnings = _config("--eval_steps", "5", "--max_staleness", "2", "--lora_r", "8", "--verify_weight_sync", "true").warnings()
     assert "eval_steps=5 has no effect without an eval_dataset" in warnings
-    assert "max_staleness=2 has no effect without async_generate true" in warnings
+    assert "max_staleness=2 has no effect without async_generate true or max_tokens_per_round" in warnings
     assert "lora_r=8 has no effect without use_peft true" in warnings
     assert "verify_weight_sync=True has no effect without rollout_mode server" in warnings
     partial = _config("--rollout_mode", "server", "--async_generate", "true", "--max_tokens_per_round", "8").warnings()
     assert any("max_tokens_per_round with max_staleness 1 carries no sequence across versions" in w for w in partial)
+    colocated = _config("--max_tokens_per_round", "8", "--max_staleness", "2", "--off_policy_correction", "token_mask").warnings()
+    assert colocated == []  # partial rollouts take max_staleness, and correct for their older tokens, colocated too
     assert _config().warnings() == []  # defaults never warn
     assert _config("--use_peft", "true", "--lora_r", "8").warnings() == []
 

@@ -51,7 +51,7 @@ from tandem.trainer.config import ConfigError, TrainConfig, resume_changes
 from tandem.trainer.dist import Dist
 from tandem.trainer.eval import Evaluator
 from tandem.trainer.learner import EntropyBonus, Learner, LossSettings, ReferenceSync
-from tandem.trainer.partial import PartialProducer
+from tandem.trainer.partial import PartialProducer, SyncPartialProducer
 from tandem.trainer.producer import AsyncProducer, SyncProducer
 from tandem.trainer.servers import ServerOptions, Servers
 from tandem.trainer.setup import (
@@ -79,13 +79,13 @@ class Schedule:
     save_steps: int
     eval_steps: int
     server: bool  # a rollout server generates: behaviour log-probs from other numerics
-    asynchronous: bool
+    asynchronous: bool  # rounds generated ahead of training, in the background
     dynamic_sample: bool
     output_dir: str
     sigterm_timeout: float  # seconds from a SIGTERM to the exit, whatever the run is doing
     tool_names: list[str] | None = None  # a multi-turn run's tools (metrics per tool); None: one turn
     agents: bool = False  # agent_func: agents/* metrics
-    partial: bool = False  # max_tokens_per_round: partial_rollouts/* metrics
+    partial: bool = False  # max_tokens_per_round: tokens of older versions (in every mode), partial_rollouts/* metrics
 
 
 @dataclass
@@ -427,12 +427,13 @@ def _producer(config: TrainConfig, dist: Dist, table, tokenizer, reward_fns, eng
     sampler = GroupSampler(len(table.prompt_ids), config.completions_per_round() // G, config.seed, dist.rank, dist.world, config.shuffle_dataset)
     args = (table, sampler, engine, tokenizer, reward_fns, config.sampling_params(), G, config.seed)
     resample = {"max_resample_times": config.max_resample_times if config.dynamic_sample else None, "rollouts": rollouts}
-    if not config.async_generate:
-        return SyncProducer(*args, **resample)
     last_round = math.ceil(config.max_steps / config.steps_per_round()) - 1
     ahead = {"max_staleness": config.max_staleness, "round_timeout": config.round_timeout(), "last_round": last_round}
     if config.max_tokens_per_round is not None:
-        return PartialProducer(*args, **ahead, max_tokens_per_round=config.max_tokens_per_round, **resample)
+        partial = PartialProducer if config.async_generate else SyncPartialProducer
+        return partial(*args, **ahead, max_tokens_per_round=config.max_tokens_per_round, **resample)
+    if not config.async_generate:
+        return SyncProducer(*args, **resample)
     return AsyncProducer(*args, **ahead, **resample)
 
 

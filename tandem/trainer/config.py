@@ -76,9 +76,9 @@ class TrainConfig:
     rollout_api_key: str | None = opt(None, f"Key the servers were started with (--api-key); sent as a Bearer token. Kept out of every saved and printed config (shown as {REDACTED}); rather than on the command line, where other users see it, give it in the environment variable {API_KEY_ENV} or a file (rollout_api_key_file).", "generation")
     rollout_api_key_file: str | None = opt(None, "A file holding the servers' key (its first line), instead of rollout_api_key.", "generation")
     async_generate: bool = opt(False, "Generate the next rounds in the background while training on the current one (server mode).", "generation")
-    max_staleness: int = opt(1, "With async_generate: round r may be generated with any policy version >= r - max_staleness (0 is synchronous).", "generation")
-    max_tokens_per_round: int | None = opt(None, "Partial rollouts (with async_generate): at each policy version, every sequence in flight decodes at most this many more tokens; an unfinished one carries over to the next version from its exact tokens, beside the next rounds' sequences, so a long completion no longer holds the engine alone. Each token's version is recorded and none trains more than max_staleness versions behind; a run stays bitwise reproducible. Pays with max_staleness >= 2 and a long tail of lengths: a round's sequences still unfinished at its last version (longer than max_staleness x max_tokens_per_round) are finished there alone. None: every round is generated whole (see docs/partial-rollouts.md).", "generation")
-    off_policy_correction: str = opt("sequence_mask", "Importance weight proximal/behaviour on each token's loss, applied whenever a rollout server generates (its numerics differ from the trainer's, and async rollouts lag): none, token_truncate, token_mask, sequence_truncate, sequence_mask (TRL's vllm_importance_sampling_mode; colocated runs need none).", "generation")
+    max_staleness: int = opt(1, "With async_generate or max_tokens_per_round: round r may be generated with any policy version >= r - max_staleness (0 is synchronous).", "generation")
+    max_tokens_per_round: int | None = opt(None, "Partial rollouts, in every mode (colocated too): at each policy version, every sequence in flight decodes at most this many more tokens; an unfinished one carries over to the next version from its exact tokens, beside the next rounds' sequences, so a long completion no longer holds the engine alone. Each token's version is recorded and none trains more than max_staleness versions behind; a run stays bitwise reproducible. Pays with max_staleness >= 2 and a long tail of lengths: a round's sequences still unfinished at its last version (longer than max_staleness x max_tokens_per_round) are finished there alone. None: every round is generated whole (see docs/partial-rollouts.md).", "generation")
+    off_policy_correction: str = opt("sequence_mask", "Importance weight proximal/behaviour on each token's loss, applied whenever a rollout server generates (its numerics differ from the trainer's, and async rollouts lag) or partial rollouts carry tokens of older versions: none, token_truncate, token_mask, sequence_truncate, sequence_mask (TRL's vllm_importance_sampling_mode; other colocated runs need none).", "generation")
     importance_sampling_cap: float = opt(3.0, "Upper bound of the importance weight: truncate modes clip to it, mask modes drop what exceeds it (TRL's vllm_importance_sampling_clip_max).", "generation")
     importance_sampling_clip_min: float | None = opt(None, "Lower bound of the importance weight, in (0, 1]: truncate modes raise weights to it, mask modes drop what falls below it; none for no lower bound (TRL's vllm_importance_sampling_clip_min).", "generation")
     verify_weight_sync: bool = opt(False, "After each push, compare the servers' weight fingerprints with the trainer's and stop on a mismatch (hashes every weight: slow for big models).", "generation")
@@ -309,8 +309,6 @@ class TrainConfig:
         if self.max_tokens_per_round is None:
             return
         need(self.max_tokens_per_round >= 1, "max_tokens_per_round", "must be >= 1, or none to generate whole rounds")
-        need(self.async_generate, "max_tokens_per_round", "needs async_generate true and max_staleness >= 2: sequences carry over to later "
-             "versions only while a round waits to be trained (with max_staleness 0 every token must be of the version that trains it)")  # fmt: skip
         need(not (self.rollout_func or self.agent_func), "max_tokens_per_round",
              "carries trajectories across versions and into checkpoints, which a rollout_func's or an agent's own state cannot "
              "follow: with those, drop max_tokens_per_round (tools and environment_factory work with it)")  # fmt: skip
@@ -494,13 +492,15 @@ class TrainConfig:
             need(not self.use_peft, "fsdp", "LoRA (use_peft) is not supported with fsdp yet: the adapters are small, so train them with DDP (drop fsdp)")
             need(not (self.dynamic_sample and self.rollout_mode == "colocate"), "fsdp",
                  "with dynamic_sample, ranks generate different numbers of batches, which a sharded colocated engine cannot (each forward is a collective): use rollout_mode server")  # fmt: skip
+            need(not (self.max_tokens_per_round and self.rollout_mode == "colocate"), "fsdp",
+                 "with max_tokens_per_round, ranks make different engine calls, which a sharded colocated engine cannot (each forward is a collective): use rollout_mode server")  # fmt: skip
 
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what was meant: among them, options set to
         other than their default that have no effect in this run, each with the option it needs."""
         defaults = TrainConfig(model_name_or_path=self.model_name_or_path)
         idle = {
-            "max_staleness": (not self.async_generate, "async_generate true"),
+            "max_staleness": (not self.async_generate and self.max_tokens_per_round is None, "async_generate true or max_tokens_per_round"),
             "eval_steps": (self.eval_dataset is None, "an eval_dataset"),
             "eval_num_generations": (self.eval_dataset is None, "an eval_dataset"),
             "max_resample_times": (not self.dynamic_sample, "dynamic_sample true"),
@@ -508,7 +508,8 @@ class TrainConfig:
             "rollout_server_urls": (self.rollout_mode != "server", "rollout_mode server"),
             **{k: (len(self.rollout_server_urls) < 2 or self.rollout_mode != "server", "rollout_mode server and several rollout_server_urls")
                for k in ("rollout_balance", "rollout_replica_timeout")},
-            "off_policy_correction": (self.rollout_mode != "server", "rollout_mode server (a colocated engine samples on-policy)"),
+            "off_policy_correction": (self.rollout_mode != "server" and self.max_tokens_per_round is None,
+                                      "rollout_mode server or max_tokens_per_round (a colocated engine samples on-policy)"),
             **{f"lora_{k}": (not self.use_peft, "use_peft true") for k in ("r", "alpha", "dropout", "target_modules", "modules_to_save")},
             **{f"sapo_temperature_{k}": (self.loss_type != "sapo", "loss_type sapo") for k in ("pos", "neg")},
             **{f"vespo_{k}": (self.loss_type != "vespo", "loss_type vespo") for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},

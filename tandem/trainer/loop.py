@@ -187,10 +187,11 @@ def prepare_collective(run: Run, rnd: Round) -> Prepared:
     # Behaviour log-probs from a rollout server come from other numerics than this forward
     # (another process, dtype or kernel) and, in async mode, from older weights: correct for
     # both, as TRL corrects vLLM's even when generation is synchronous. A colocated engine
-    # samples from the trainer's own forward, so its rollouts are on-policy.
-    behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C) if s.server else None  # (N_rank, C)
+    # samples from the trainer's own forward, so its rollouts are on-policy, except with partial
+    # rollouts, whose tokens are of older versions in every mode.
+    behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C) if s.server or s.partial else None  # (N_rank, C)
     staleness = {}
-    if s.asynchronous:
+    if s.asynchronous or s.partial:
         # Of each completion's oldest token; with partial rollouts also how many versions its tokens span.
         ages = torch.tensor([[float(run.sync.engine.version - r.version), float(r.newest_version - r.version)] for r in rollouts])  # (N_rank, 2)
         ages = dist.gather_collective(ages, "staleness")  # (N, 2)

@@ -61,7 +61,10 @@ class Flight:
 
 class PartialProducer(AsyncProducer):
     """AsyncProducer's contract (next_round, wait_generated, set_live_version, checkpoints) with
-    the rounds generated as partial rollouts; see the module's docstring."""
+    the rounds generated as partial rollouts, each version's calls in a background thread; see
+    the module's docstring."""
+
+    background = True
 
     def __init__(self, *args, max_tokens_per_round: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -103,7 +106,8 @@ class PartialProducer(AsyncProducer):
             self._next_admit = first_round + len(ready)
             self._first_version = self.first(self._next_admit)
         self._versions_done = self._first_version - 1
-        self._thread.start()
+        if self.background:
+            self._thread.start()
 
     def _run(self) -> None:
         for v in range(self._first_version, self.last_version() + 1):
@@ -228,3 +232,17 @@ class PartialProducer(AsyncProducer):
         occupancy = f.occupancy_tokens / f.occupancy_slots if f.occupancy_slots else None
         return Round(f.index, rollouts, table, completions, times[0], times[1], f.sampler_state, dropped_groups=dropped,
                      resampled_completions=resampled, occupancy=occupancy)  # fmt: skip
+
+
+class SyncPartialProducer(PartialProducer):
+    """Partial rollouts where generation does not overlap training (colocated, or a server in
+    sync mode): asked for round r, the trainer's thread first runs the calls of every version up
+    to the live one, while those weights are the engine's; the rounds, versions and tokens are
+    those of the background producer's run."""
+
+    background = False
+
+    def next_round(self) -> Round:
+        for v in range(self._versions_done + 1, min(self._live_version, self.last_version()) + 1):
+            self._version(v)
+        return super().next_round()
