@@ -243,6 +243,9 @@ class SyncPartialProducer(PartialProducer):
     background = False
 
     def next_round(self) -> Round:
+        t = time.perf_counter()
         for v in range(self._versions_done + 1, min(self._live_version, self.last_version()) + 1):
             self._version(v)
-        return super().next_round()
+        rnd = super().next_round()
+        rnd.wait_seconds = time.perf_counter() - t  # the trainer waited for those calls
+        return rnd
