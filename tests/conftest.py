@@ -349,6 +349,13 @@ def _run_or_dump(cmd: list[str], env: dict, timeout: float) -> subprocess.Comple
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def versions_within(completion: dict, k: int) -> bool:
+    """Whether every model token of a completions.jsonl row of round r is of a version in
+    [r - k, r - 1] (round 0: 0): the staleness bound of partial rollouts with max_staleness k."""
+    r = completion["round"]
+    return all(max(0, r - k) <= v <= max(0, r - 1) for v, _ in completion["token_versions"])
+
+
 def same_collectives(trace: Path, procs: int = 2) -> list[str]:
     """The collectives rank 0 entered, checked to be exactly those of every other rank, in order:
     a rank that calls one the others do not waits in it until ddp_timeout."""

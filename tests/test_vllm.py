@@ -14,7 +14,7 @@ import pytest
 import requests
 from transformers import AutoModelForCausalLM
 
-from conftest import KEY, VLLM_SERVER, Server, cli_here, kill_server_mid_run, needs_vllm, wait_for_step
+from conftest import KEY, VLLM_SERVER, Server, cli_here, kill_server_mid_run, needs_vllm, versions_within, wait_for_step
 from tandem.cli import DEMO_CONFIG
 from tandem.demo import addition_rows, prepare, warmup_pairs, write_jsonl
 from tandem.init_model import save, warmup_sft
@@ -105,8 +105,10 @@ def test_an_async_multi_turn_run_is_version_exact_and_trains_the_engines_tokens(
     metrics, completions = read(tmp_path / "run")
     for c in completions:  # three turns, unless max_completion_length ends it first
         turns, r = c["turns"]["versions"], c["round"]
-        versions = {v for v, _ in c["token_versions"]} if partial else set(turns)
-        assert versions <= set(range(max(0, r - 3), max(0, r - 1) + 1)) if partial else turns == [max(0, r - 1)] * len(turns), (r, c)
+        if partial:  # every model token of round r is of a version in [r - 3, r - 1]
+            assert versions_within(c, 3), (r, c["token_versions"])
+        else:  # every turn at version r - 1
+            assert turns == [max(0, r - 1)] * len(turns), (r, turns)
         assert len(turns) == 3 or c["finish_reason"] == "length", (r, turns)
     assert not partial or any(len(c["token_versions"]) > 1 for c in completions), "a trajectory spans versions"
     assert min(m["multi_turn/turns/mean"] for m in metrics) > 2
@@ -126,7 +128,7 @@ def test_partial_rollouts_with_tools_carry_a_turn_across_versions_through_vllm(m
     train(1, args)
     metrics, completions = read(tmp_path / "run")
     for c in completions:  # each model token of round r is of a version in [r - 3, r - 1] (round 0: 0)
-        assert all(max(0, c["round"] - 3) <= v <= max(0, c["round"] - 1) for v, _ in c["token_versions"]), (c["round"], c["token_versions"])
+        assert versions_within(c, 3), (c["round"], c["token_versions"])
     called = [c for c in completions if c["turns"]["tool_calls"]]
     assert called and all(c["turns"]["messages"][1]["role"] == "tool" for c in called)
     assert any(len(c["token_versions"]) > 1 for c in called), "a trajectory with a tool call spans versions"
