@@ -451,12 +451,12 @@ def test_a_push_cut_by_a_restart_that_the_generating_thread_resyncs_completes(ti
     # The race CI met in async mode: the trainer's push began on the old process; the generating
     # thread noticed the restart first and resynced; the push's next chunk (an update id only
     # the old process knew) then reached the new one. The restart is injected between the
-    # push's begin and its first chunk by wrapping the client's bucketing, once.
-    import tandem.rollout.client as client_module
+    # push's begin and its first chunk by wrapping the push's bucketing, once.
+    from tandem.rollout import transports
 
     server = Server(tiny_model)
     client = RolloutClient([server.url], server_timeout=30, transport="http")
-    real_buckets, results, injected = client_module.buckets, [], []
+    real_buckets, results, injected = transports.buckets, [], []
 
     def restart_first(named, size):
         nonlocal server
@@ -477,7 +477,7 @@ def test_a_push_cut_by_a_restart_that_the_generating_thread_resyncs_completes(ti
     try:
         client.wait_until_ready()
         client.push_weights(shifted_weights(tiny_model, 1e-3), version=1)
-        monkeypatch.setattr(client_module, "buckets", restart_first)
+        monkeypatch.setattr(transports, "buckets", restart_first)
         new = shifted_weights(tiny_model, 2e-3)
         assert client.push_weights(new, version=2) == [2]
         injected[1].join(timeout=60)

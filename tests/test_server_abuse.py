@@ -331,6 +331,7 @@ def test_13_the_schema_lists_every_status_a_route_answers(server):
         ("post", "/generate"): {"200", "400", "401", "409", "413", "422", "500", "503"},
         ("put", "/weights/{update_id}/chunk"): {"200", "400", "401", "404", "411", "413", "503"},
         ("post", "/weights/{update_id}/file"): {"200", "400", "401", "404", "413", "503"},
+        ("post", "/weights/{update_id}/cuda"): {"200", "400", "401", "404", "413", "503"},
         ("post", "/weights/{update_id}/commit"): {"200", "400", "401", "404", "409", "503"},
         ("post", "/weights/begin"): {"200", "401", "409", "422", "503"},
     }

@@ -4,8 +4,6 @@ taken out and its work done elsewhere), and an Engine that runs remotely."""
 
 import logging
 import math
-import mmap
-import os
 import threading
 import time
 from concurrent.futures import Future, wait
@@ -17,8 +15,8 @@ import torch
 from tandem.aio import in_thread
 from tandem.rollout.fleet import BALANCES, Fleet
 from tandem.rollout.types import Completion, SamplingParams
-from tandem.rollout.weights import (StagedWeights, buckets, compress_delta, fingerprint, host_id, parse_safetensors, safetensors_stream, sealed_memfd,
-                                   shm_available, xor_bits)  # fmt: skip
+from tandem.rollout.transports import TRANSPORTS, Push
+from tandem.rollout.weights import StagedWeights, buckets, compress_delta, cuda_device_id, fingerprint, host_id, shm_available, xor_bits
 
 log = logging.getLogger("tandem")
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
@@ -86,8 +84,8 @@ class RolloutClient:
     ):
         if not urls:
             raise ValueError("rollout_server_urls is empty; give the URL of at least one `tandem rollout` server")
-        if transport not in ("auto", "http", "shm"):
-            raise ValueError(f"weight transport must be auto, http or shm, got {transport!r}")
+        if transport != "auto" and transport not in TRANSPORTS:
+            raise ValueError(f"weight transport must be auto or one of {sorted(TRANSPORTS)}, got {transport!r}")
         if balance not in BALANCES:
             raise ValueError(f"rollout_balance must be one of {sorted(BALANCES)}, got {balance!r}")
         self.urls = [u.rstrip("/") for u in urls]
@@ -105,7 +103,7 @@ class RolloutClient:
         self._dtypes: dict[str, str] = {}  # url -> the dtype its engine holds weights in (/info)
         self._sent: list[int] = []  # bytes each request of the last push_weights sent (push_bytes)
         self._local = threading.local()  # one requests.Session per thread: Session is not thread-safe
-        self._same_host: dict[str, bool] = {}
+        self._places: dict[str, tuple[bool, str | None]] = {}  # url -> (on this host, its GPU's id) from /info
         self._instances: dict[str, str] = {}  # url -> instance id of the server process we synced
         self._last_pushed: tuple[int, list[tuple[str, torch.Tensor]], bool] | None = None  # version, tensors, adapter
         self._resync_lock = threading.Lock()
@@ -320,25 +318,21 @@ class RolloutClient:
         at a time. Whole weights are copied in the dtype the servers hold them in (where they
         share one): they would cast them on arrival to the same bits, and a bf16 server gets half
         the bytes (0.99 against 1.98 GB at the Qwen2.5-0.5B shape: 3.4 against 11.6 s a push here).
-        Where servers on this host map the push's shared-memory files, those files are the copy
-        (_SharedFiles.write). A delta is made of those bits."""
+        Where servers map the push's shared memory (files on this host, buffers on the trainer's
+        GPU), that memory is the copy (transports.Push.copy). A delta is made of those bits."""
         delta = self.delta and not adapter and not isinstance(named, StagedWeights)
-        files = _SharedFiles(users=sum(self._use_shm(u) for u in self.fleet.up()))
+        push = self._push(self.fleet.up(), named)
         try:
             if not isinstance(named, StagedWeights):
-                dtype = None if adapter else self._servers_dtype(required=delta)
-                if files.users:  # the files the servers on this host map are the copy
-                    named = files.write(list(named), dtype, self.bucket_bytes)
-                else:
-                    named = [(n, t.detach().to("cpu", dtype=dtype, copy=True).contiguous()) for n, t in named]
+                named = push.copy(list(named), None if adapter else self._servers_dtype(required=delta), self.bucket_bytes)
             with self._fleet_lock:  # a replica put back from here on is put back with these weights
                 last, self._last_pushed = self._last_pushed, (version, named, adapter)
                 urls = self.fleet.up()
-            return self._push_all(urls, named, version, force, adapter, files, last if delta else None)
+            return self._push_all(urls, named, version, force, adapter, push, last if delta else None)
         finally:
-            files.close()
+            push.close()
 
-    def _push_all(self, urls: list[str], named, version: int, force: bool, adapter: bool, files: "_SharedFiles", last) -> list[int]:
+    def _push_all(self, urls: list[str], named, version: int, force: bool, adapter: bool, push: Push, last) -> list[int]:
         """push_weights' update to each server up; `last`: the push before, where a delta may go against it."""
         against = _Delta(last[0], last[1], named, self.bucket_bytes) if last is not None and not last[2] and last[0] == version - 1 else None
         self._sent = []
@@ -350,7 +344,7 @@ class RolloutClient:
             def attempt():
                 forced = force or not first[0]
                 first[0] = False
-                return self._push_one(url, named, version, forced, adapter, None if forced else against, files)
+                return self._push_one(url, named, version, forced, adapter, None if forced else against, push)
 
             return self._retrying(attempt)
 
@@ -373,12 +367,12 @@ class RolloutClient:
         return getattr(torch, dtypes[0]) if len(dtypes) == 1 else None
 
     def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool, adapter: bool, against: "_Delta | None" = None,
-                  files: "_SharedFiles | None" = None) -> int:  # fmt: skip
+                  push: Push | None = None) -> int:  # fmt: skip
         """One update to one server. Updates to a server run one at a time (a server keeps only
         its newest unfinished update), each bound to the process it began on; an update that
         process already committed (a resync by the generating thread) is not sent twice.
-        `against`: a delta from the version that server holds, if it holds it. `files`: the
-        push's shared-memory files, which the servers on this host map, made once for them all."""
+        `against`: a delta from the version that server holds, if it holds it. `push`: the
+        push's transports, whose shared memory is made once for all the servers that map it."""
         with self._push_locks[url]:
             instance = self._instances.get(url)
             if instance is not None and self._committed.get(url) == (instance, version):
@@ -393,20 +387,14 @@ class RolloutClient:
             body = {"version": version, "force": force, "num_tensors": len(named), "adapter": adapter, "run_id": self.run and self.run["run_id"],
                     "keep_base": self.delta and not adapter and not isinstance(named, StagedWeights)}  # fmt: skip
             uid = self._call("POST", url, "/weights/begin", "a weight update", instance, json=body)["update_id"]
-            files = files or _SharedFiles()
-            for i, bucket in enumerate(named.buckets() if isinstance(named, StagedWeights) else buckets(named, self.bucket_bytes)):
-                self._sent.append(sum(t.numel() * t.element_size() for t in bucket.values()))
-                if self._use_shm(url):
-                    # The server opens our descriptor through /proc and maps it; the seals make
-                    # the bytes immutable, so nothing can change them once they are staged.
-                    fd = files.get(i, bucket)
-                    try:
-                        self._call("POST", url, f"/weights/{uid}/file", "a weight file", instance, json={"path": f"/proc/{os.getpid()}/fd/{fd}"})
-                    finally:
-                        files.taken(i, url)
-                else:
-                    self._call("PUT", url, f"/weights/{uid}/chunk", "a weight chunk", instance, data=_Body(bucket),
-                               headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+            own = push is None
+            push = push or self._push([url], named)
+            try:
+                self._sent += push.by_url[url].send(lambda method, route, what, **request: self._call(method, url, f"/weights/{uid}/{route}", what, instance, **request),
+                                                    url, named, self.bucket_bytes)  # fmt: skip
+            finally:
+                if own:
+                    push.close()
             return self._commit(url, instance, uid, version)
 
     def _send_delta(self, url: str, instance: str, version: int, against: "_Delta") -> int:
@@ -476,13 +464,25 @@ class RolloutClient:
         """One server's version and fingerprints, asked from the calling thread."""
         return self._call("GET", url, "/weights/fingerprint", "a fingerprint request")
 
-    def _use_shm(self, url: str) -> bool:
+    def _push(self, urls: list[str], named) -> Push:
+        """The transports of a push of `named` to `urls`."""
+        device = torch.device("cpu") if isinstance(named, StagedWeights) or not named else named[0][1].device
+        return Push({url: self._transport(url, device) for url in urls}, device)
+
+    def _transport(self, url: str, device: torch.device) -> str:
+        """The way weights on `device` reach `url`: the one asked for, else CUDA IPC where the
+        server runs on that very GPU, shared memory where it runs on this host, HTTP elsewhere."""
+        if self.transport == "cuda_ipc" and device.type != "cuda":
+            raise ValueError(f"weight_transport cuda_ipc needs the trainer's weights on a GPU, they are on {device}: use auto, shm or http")
         if self.transport != "auto":
-            return self.transport == "shm"
-        if url not in self._same_host:
+            return self.transport
+        if url not in self._places:
             info = self._call("GET", url, "/info", "an info request")
-            self._same_host[url] = info["host_id"] == host_id() and shm_available()
-        return self._same_host[url]
+            self._places[url] = (info["host_id"] == host_id(), info.get("cuda_device"))
+        here, gpu = self._places[url]
+        if here and gpu is not None and gpu == cuda_device_id(device):
+            return "cuda_ipc"
+        return "shm" if here and shm_available() else "http"
 
     def watch(self, interval: float = WATCH_SECONDS) -> None:
         """Probe every server's /health every `interval` seconds, each in a thread of its own (once
@@ -587,70 +587,6 @@ class _Delta:
             if self._fingerprint is None:
                 self._fingerprint = fingerprint(self._new)
             return self._fingerprint
-
-
-class _SharedFiles:
-    """A push's buckets as sealed memfds, each written once for the `users` servers on this host
-    that take it, not once per server, and closed once they all staged it, or once the push ended
-    and no request that names it is in flight. A request to a server taken out mid-push may still
-    be waiting there: its descriptor stays open until it ends, so the server, resumed, cannot open
-    another file that reused the number."""
-
-    def __init__(self, users: int = 1):
-        self.users = users
-        self._lock = threading.Lock()
-        self._files: dict[int, list] = {}  # bucket index -> [descriptor, the servers that staged it, requests in flight]
-        self._ended = False
-
-    def write(self, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, bucket_bytes: int) -> list[tuple[str, torch.Tensor]]:
-        """Write the push's buckets (cast to `dtype`) into their files now, a piece at a time, and
-        return the weights as views of the files, in `named`'s order: the push's copy, in memory
-        the servers map as well, with no second copy written (one gigabyte a push at the
-        Qwen2.5-0.5B shape in bf16). buckets() of the views makes the same buckets again."""
-        views: dict[str, torch.Tensor] = {}
-        for i, bucket in enumerate(buckets(named, bucket_bytes, dtype)):
-            self._files[i] = [sealed_memfd(safetensors_stream(bucket, dtype)[1]), set(), 0]
-            views.update(parse_safetensors(mmap.mmap(self._files[i][0], 0, access=mmap.ACCESS_COPY)))
-        return [(name, views[name]) for name, _ in named]
-
-    def get(self, i: int, bucket: dict[str, torch.Tensor]) -> int:
-        with self._lock:
-            if i not in self._files:
-                self._files[i] = [sealed_memfd(safetensors_stream(bucket)[1]), set(), 0]
-            self._files[i][2] += 1
-            return self._files[i][0]
-
-    def taken(self, i: int, url: str) -> None:
-        with self._lock:
-            entry = self._files[i]
-            entry[1].add(url)
-            entry[2] -= 1
-            if entry[2] == 0 and (self._ended or len(entry[1]) >= self.users):
-                os.close(entry[0])
-                del self._files[i]
-
-    def close(self) -> None:
-        with self._lock:
-            self._ended = True
-            for i, (fd, _, flying) in list(self._files.items()):
-                if flying == 0:
-                    os.close(fd)
-                    del self._files[i]
-
-
-class _Body:
-    """Tensors as a streamed safetensors body of known length: requests sends Content-Length, then
-    the pieces. Each iteration streams them anew, so a retried request sends every byte again."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-        self.length = safetensors_stream(tensors)[0]
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __iter__(self):
-        return safetensors_stream(self.tensors)[1]
 
 
 def _unreachable(exc: BaseException) -> bool:

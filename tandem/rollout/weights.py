@@ -1,5 +1,6 @@
 """Moving trainer weights into an engine: fingerprints, buckets, the shared-memory path."""
 
+import base64
 import fcntl
 import hashlib
 import json
@@ -11,7 +12,7 @@ import shutil
 import socket
 import stat
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import zstandard
@@ -81,9 +82,10 @@ class StagedWeights:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None, keep_device: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """Group tensors into dicts of about bucket_bytes each (a tensor larger than that is alone),
-    on the CPU; with `dtype`, sized as they will be when cast to it, and left where they are."""
+    on the CPU; with `dtype`, sized as they will be when cast to it, and left where they are, as
+    with `keep_device`."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     for name, t in named:
@@ -91,7 +93,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype:
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
-        bucket[name] = t.detach() if dtype is not None else t.detach().contiguous().cpu()
+        bucket[name] = t.detach() if dtype is not None or keep_device else t.detach().contiguous().cpu()
         size += nbytes
     if bucket:
         yield bucket
@@ -209,9 +211,9 @@ _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 STREAM_PIECE = 16 * 2**20
 
 
-def safetensors_stream(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> tuple[int, Iterator[memoryview]]:
-    """(total bytes, pieces) of `tensors` in safetensors format; pieces point into the tensors,
-    or with `dtype`, into each piece's copy in that dtype (cast a piece at a time, never whole)."""
+def layout(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> tuple[dict, int, dict[str, torch.Tensor]]:
+    """The safetensors header of `tensors` (in `dtype`, where given), the bytes of data it
+    describes, and the tensors in the order their data follows."""
     def dtype_of(t: torch.Tensor) -> torch.dtype:
         return dtype or t.dtype
 
@@ -225,6 +227,13 @@ def safetensors_stream(tensors: dict[str, torch.Tensor], dtype: torch.dtype | No
         n = t.numel() * dtype_of(t).itemsize
         header[name] = {"dtype": _DTYPES[dtype_of(t)], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
+    return header, offset, tensors
+
+
+def safetensors_stream(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> tuple[int, Iterator[memoryview]]:
+    """(total bytes, pieces) of `tensors` in safetensors format; pieces point into the tensors,
+    or with `dtype`, into each piece's copy in that dtype (cast a piece at a time, never whole)."""
+    header, size, tensors = layout(tensors, dtype)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format pads the header to 8-byte alignment
     prefix = len(head).to_bytes(8, "little") + head
@@ -233,26 +242,25 @@ def safetensors_stream(tensors: dict[str, torch.Tensor], dtype: torch.dtype | No
         yield memoryview(prefix)
         for t in tensors.values():
             flat = t.detach().contiguous().reshape(-1)
-            if dtype_of(t) == t.dtype and flat.device.type == "cpu":
+            cast = dtype or t.dtype
+            if cast == t.dtype and flat.device.type == "cpu":
                 raw = memoryview(flat.view(torch.uint8).numpy())
                 for lo in range(0, len(raw), STREAM_PIECE):
                     yield raw[lo : lo + STREAM_PIECE]
                 continue
-            step = max(1, STREAM_PIECE // dtype_of(t).itemsize)
+            step = max(1, STREAM_PIECE // cast.itemsize)
             for lo in range(0, len(flat), step):
-                yield memoryview(flat[lo : lo + step].to("cpu", dtype=dtype_of(t)).view(torch.uint8).numpy())
+                yield memoryview(flat[lo : lo + step].to("cpu", dtype=cast).view(torch.uint8).numpy())
 
-    return len(prefix) + offset, pieces()
+    return len(prefix) + size, pieces()
 
 
 MAX_HEADER_BYTES = 100 * 2**20  # the library's own limit
 
 
 def parse_safetensors(buffer: bytearray | bytes) -> dict[str, torch.Tensor]:
-    """Tensors viewing `buffer` in place (no copy). Raises ValueError on malformed input: the
-    header must describe tensors of known dtypes and non-negative shapes whose byte ranges are
-    aligned, in order, without gaps or overlaps, and cover the data exactly. Messages never
-    quote the buffer's contents."""
+    """Tensors viewing `buffer` in place (no copy). Raises ValueError on malformed input (see
+    header_views). Messages never quote the buffer's contents."""
     if len(buffer) < 8:
         raise ValueError("shorter than a safetensors header")
     n = int.from_bytes(buffer[:8], "little")
@@ -262,9 +270,22 @@ def parse_safetensors(buffer: bytearray | bytes) -> dict[str, torch.Tensor]:
         header = json.loads(bytes(buffer[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise ValueError("header is not valid UTF-8 JSON") from None
+    base = 8 + n
+
+    def view(start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
+
+    return header_views(header, len(buffer) - base, view)
+
+
+def header_views(header, nbytes: int, view: Callable[[int, int, torch.dtype], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a safetensors header describes over `nbytes` of data, each made by
+    view(start byte, element count, dtype). Raises ValueError unless the header describes
+    tensors of known dtypes and non-negative shapes whose byte ranges are aligned, in order,
+    without gaps or overlaps, and cover the data exactly."""
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
-    base, entries = 8 + n, []
+    entries = []
     for name, spec in header.items():
         if name == "__metadata__":
             continue
@@ -278,10 +299,9 @@ def parse_safetensors(buffer: bytearray | bytes) -> dict[str, torch.Tensor]:
         if start != expected or end - start != count * itemsize or start % itemsize:
             raise ValueError(f"tensor {name!r}: data_offsets overlap, leave a gap, are unaligned or do not fit its shape")
         expected = end
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
-        out[name] = flat.reshape(shape)
-    if base + expected != len(buffer):
-        raise ValueError(f"the tensors cover {expected} bytes of data, but {len(buffer) - base} follow the header")
+        out[name] = view(start, count, dtype).reshape(shape)
+    if expected != nbytes:
+        raise ValueError(f"the tensors cover {expected} bytes of data, but {nbytes} follow the header")
     return out
 
 
@@ -297,6 +317,68 @@ def _header_entry(name: str, spec) -> tuple[torch.dtype, list[int], int, int]:
         raise ValueError(f"tensor {name!r}: header entry needs a dtype of {sorted(_FROM_NAME)}, a shape and data_offsets")
     start, end = ints(spec.get("data_offsets"), 2)
     return _FROM_NAME[spec["dtype"]], ints(spec.get("shape"), None), start, end
+
+
+# ------------------------------------------------------------------ CUDA IPC
+# A trainer and a server on one GPU share a push in device memory: the trainer copies each bucket
+# into one buffer of its own, laid out as safetensors' data, and hands the server torch's own IPC
+# handles for it (those torch.multiprocessing sends between processes), as JSON; the server maps
+# the buffer, copies it into its own memory and lets it go. No byte crosses the host.
+
+
+def cuda_device_id(device: torch.device | str) -> str | None:
+    """The UUID of a CUDA device: equal for two processes on one GPU, whatever index each gives
+    it. None for any other device."""
+    device = torch.device(device)
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+
+
+def cuda_bucket(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, device: torch.device) -> tuple[torch.Tensor, dict]:
+    """`tensors` (cast to `dtype`, where given) copied into one new uint8 buffer on `device`,
+    and the safetensors header that describes it."""
+    header, size, tensors = layout(tensors, dtype)
+    flat = torch.empty(size, dtype=torch.uint8, device=device)
+    views = cuda_views(flat, header)
+    for name, t in tensors.items():
+        views[name].copy_(t.detach())
+    return flat, header
+
+
+def cuda_views(flat: torch.Tensor, header: dict) -> dict[str, torch.Tensor]:
+    """The tensors `header` describes, viewing the uint8 buffer `flat` in place."""
+    return header_views(header, flat.numel(), lambda start, count, dtype: flat.narrow(0, start, count * dtype.itemsize).view(dtype))
+
+
+def share_cuda(flat: torch.Tensor) -> dict:
+    """What another process on this GPU needs to map the uint8 buffer `flat` (open_cuda), as
+    JSON. The sender keeps `flat` alive until the receiver has copied it; torch's reference
+    counter keeps the memory from being reused while the receiver still maps it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    torch.cuda.current_stream(flat.device).synchronize()  # the copies into it are done before anyone reads it
+    args = reduce_tensor(flat)[1]
+    (_, _, _, offset, _, _, _, handle, storage_bytes, storage_offset, _, counter, counter_offset, event, event_sync) = args
+
+    def text(raw: bytes | None) -> str | None:
+        return None if raw is None else base64.b64encode(raw).decode()
+
+    return {"handle": text(handle), "storage_bytes": storage_bytes, "storage_offset": storage_offset, "offset": offset, "nbytes": flat.numel(),
+            "ref_counter": text(counter), "ref_counter_offset": counter_offset, "event": text(event), "event_sync": event_sync}  # fmt: skip
+
+
+def open_cuda(shared: dict, device: torch.device) -> torch.Tensor:
+    """The uint8 buffer share_cuda described, mapped from the process that shared it onto this
+    process's `device` (the same GPU). Drop it once copied: the sender's memory stays held while
+    any process maps it."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    def raw(text: str | None) -> bytes | None:
+        return None if text is None else base64.b64decode(text)
+
+    n, index = shared["nbytes"], torch.cuda.current_device() if device.index is None else device.index
+    return rebuild_cuda_tensor(torch.Tensor, (n,), (1,), shared["offset"], torch.storage.TypedStorage, torch.uint8, index, raw(shared["handle"]),
+                               shared["storage_bytes"], shared["storage_offset"], False, raw(shared["ref_counter"]), shared["ref_counter_offset"],
+                               raw(shared["event"]), shared["event_sync"])  # fmt: skip
 
 
 # ------------------------------------------------------------------ delta updates

@@ -31,7 +31,7 @@ from tandem.server.serving import (
     Busy, EngineFailure, HeldByAnotherRun, NotReady, OtherProcess, RolloutService, TooLarge, UnknownUpdate, VersionConflict,
 )  # fmt: skip
 from tandem.rollout.types import SamplingParams
-from tandem.rollout.weights import delta_size, host_id, open_sealed_memfd, parse_safetensors
+from tandem.rollout.weights import cuda_device_id, cuda_views, delta_size, host_id, open_cuda, open_sealed_memfd, parse_safetensors
 
 log = logging.getLogger("tandem")
 
@@ -135,9 +135,11 @@ def build_app(
     dtype: str = "float32",
     device: str = "cpu",
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    cuda_ipc: bool = False,
 ) -> FastAPI:
     """The server's app: Guard before every route, its errors as {"error": ...} bodies, and the
-    routers over `service` (status, generation, weights, the run it serves)."""
+    routers over `service` (status, generation, weights, the run it serves). `cuda_ipc`: the
+    engine on `device`, a GPU, takes weights a trainer on that GPU shares through CUDA IPC."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -151,8 +153,10 @@ def build_app(
     _error_bodies(app)
     app.state.openai = OpenAIServing(service, model_name)  # its tokenizer is set once the model has loaded
     info = P.Info(model=model_name, engine="loading", dtype=dtype, device=device, version=0, vocab_size=0, max_model_len=0, max_batch_tokens=0,
-                  max_request_bytes=max_request_bytes, max_weight_chunk_bytes=max_chunk_bytes, host_id=host_id(), threads=0, stats={})  # fmt: skip
-    for router in (_status_routes(service, info), _generation_routes(service), _weight_routes(service), _run_routes(service),
+                  max_request_bytes=max_request_bytes, max_weight_chunk_bytes=max_chunk_bytes, host_id=host_id(), threads=0, stats={},
+                  cuda_device=cuda_device_id(device) if cuda_ipc else None)  # fmt: skip
+    gpu = torch.device(device) if info.cuda_device else None
+    for router in (_status_routes(service, info), _generation_routes(service), _weight_routes(service, gpu), _run_routes(service),
                    _openai_routes(app.state.openai)):  # fmt: skip
         app.include_router(router)
     return app
@@ -274,7 +278,7 @@ def _generation_routes(service: RolloutService) -> APIRouter:
     return router
 
 
-def _weight_routes(service: RolloutService) -> APIRouter:
+def _weight_routes(service: RolloutService, gpu: torch.device | None) -> APIRouter:
     """A weight update: begin, chunks over HTTP or sealed memfds, commit; and the fingerprint."""
     router = APIRouter()
 
@@ -330,6 +334,13 @@ def _weight_routes(service: RolloutService) -> APIRouter:
     async def from_file(update_id: str, req: P.WeightFile):
         return P.Staged(staged=await in_own_thread(_stage_file, service, update_id, req.path))
 
+    @router.post("/weights/{update_id}/cuda", response_model=P.Staged,
+                 responses=_responses(_AUTH, _BODY, _ENGINE, {404: "no such update", 413: "more than the update can hold"}))  # fmt: skip
+    async def from_gpu(update_id: str, req: P.WeightBuffer):
+        if gpu is None:
+            raise ValueError("this server takes no weights through CUDA IPC (it runs on no GPU, or its engine is not tandem's): send them over http or shm")
+        return P.Staged(staged=await in_own_thread(_stage_cuda, service, update_id, req, gpu))
+
     @router.post("/weights/{update_id}/commit", response_model=P.WeightCommitResult,
                  responses=_responses(_AUTH, _ENGINE, {400: "tensors missing", 404: "no such update", 409: "not the next version"}))  # fmt: skip
     async def commit(update_id: str, req: P.WeightCommit | None = None):
@@ -383,6 +394,23 @@ def _stage_file(service: RolloutService, update_id: str, path: str) -> int:
         return service.stage(update_id, parse_safetensors_or_400(mapped))
     except BaseException:
         service.unreserve(update_id, len(mapped))
+        raise
+
+
+def _stage_cuda(service: RolloutService, update_id: str, req: P.WeightBuffer, gpu: torch.device) -> int:
+    """Stage weights from a buffer a trainer on this GPU shares (weights.share_cuda): mapped,
+    copied into this process's memory on the device, and let go."""
+    service.reserve(update_id, req.buffer.nbytes)
+    try:
+        try:
+            shared = open_cuda(req.buffer.model_dump(), gpu)
+        except RuntimeError as exc:
+            raise ValueError(f"could not map the trainer's GPU buffer ({exc}); is the trainer on {gpu} of this host?") from None
+        tensors = {name: t.clone() for name, t in cuda_views(shared, req.header).items()}
+        torch.cuda.current_stream(gpu).synchronize()  # copied before the mapping goes
+        return service.stage(update_id, tensors)
+    except BaseException:
+        service.unreserve(update_id, req.buffer.nbytes)
         raise
 
 
@@ -505,7 +533,8 @@ def serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or (max(1, len(os.sched_getaffinity(0)) // 2) if args.device == "cpu" else torch.get_num_threads()))
     service = RolloutService(max_batch_tokens=args.max_batch_tokens, max_version_waiters=args.max_version_waiters, run_lease=args.run_lease,
                              fixed_threads=bool(args.threads))  # fmt: skip
-    app = build_app(service, args.model, args.api_key, args.max_request_bytes, args.max_weight_chunk_bytes, args.dtype, args.device, args.body_timeout)
+    app = build_app(service, args.model, args.api_key, args.max_request_bytes, args.max_weight_chunk_bytes, args.dtype, args.device, args.body_timeout,
+                    cuda_ipc=args.engine == "transformers")  # fmt: skip
 
     def load():
         try:

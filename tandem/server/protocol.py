@@ -63,6 +63,7 @@ class Info(BaseModel):
     max_request_bytes: int
     max_weight_chunk_bytes: int
     host_id: str  # equal for processes on one host: lets a client pick the shared-memory path
+    cuda_device: str | None = None  # the UUID of the GPU its engine runs on: a trainer on it pushes through CUDA IPC
     threads: int  # CPU threads the engine keeps busy: a trainer on the same host leaves them free
     stats: dict[str, int]  # requests, engine_calls, sequences, prompt_tokens and cached_prompt_tokens (prefix cache hits) so far
 
@@ -100,6 +101,25 @@ class WeightUpdateHandle(BaseModel):
 
 class WeightFile(_Strict):
     path: str = Field(..., max_length=64, description="/proc/<pid>/fd/<n>: a sealed memfd holding safetensors, of a process of the server's user on its host.")
+
+
+class CudaBuffer(_Strict):
+    """weights.share_cuda: torch's CUDA IPC handles for a uint8 buffer on the server's GPU."""
+
+    handle: str = Field(..., max_length=256)
+    storage_bytes: int = Field(..., ge=0)
+    storage_offset: int = Field(..., ge=0)
+    offset: int = Field(..., ge=0)
+    nbytes: int = Field(..., ge=1)
+    ref_counter: str = Field(..., max_length=1024)
+    ref_counter_offset: int = Field(..., ge=0)
+    event: str | None = Field(None, max_length=256)
+    event_sync: bool
+
+
+class WeightBuffer(_Strict):
+    header: dict = Field(..., description="The safetensors header of the buffer's tensors (each tensor's dtype, shape and data_offsets).")
+    buffer: CudaBuffer = Field(..., description="The buffer, in a process on the server's GPU (weights.share_cuda).")
 
 
 class Staged(BaseModel):

@@ -28,7 +28,7 @@ from tandem.trainer.metrics import check_report_to
 ROLLOUT_MODES = ("colocate", "server")
 REDACTED = "<redacted>"  # a secret as saved and printed configs show it
 NONFINITE_POLICIES = ("skip", "error")
-WEIGHT_TRANSPORTS = ("auto", "http", "shm")
+WEIGHT_TRANSPORTS = ("auto", "http", "shm", "cuda_ipc")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 FSDP_OPTIONS = ("full_shard", "shard_grad_op", "auto_wrap")
 FSDP_CONFIG_KEYS = ("transformer_layer_cls_to_wrap", "reshard_after_forward", "version")
@@ -82,7 +82,7 @@ class TrainConfig:
     importance_sampling_cap: float = opt(3.0, "Upper bound of the importance weight: truncate modes clip to it, mask modes drop what exceeds it (TRL's vllm_importance_sampling_clip_max).", "generation")
     importance_sampling_clip_min: float | None = opt(None, "Lower bound of the importance weight, in (0, 1]: truncate modes raise weights to it, mask modes drop what falls below it; none for no lower bound (TRL's vllm_importance_sampling_clip_min).", "generation")
     verify_weight_sync: bool = opt(False, "After each push, compare the servers' weight fingerprints with the trainer's and stop on a mismatch (hashes every weight: slow for big models).", "generation")
-    weight_transport: str = opt("auto", "How weights reach the servers: 'shm' (shared memory, same host), 'http' (safetensors over HTTP), 'auto' (shm when the server is on this host).", "generation")
+    weight_transport: str = opt("auto", "How weights reach the servers: 'cuda_ipc' (the trainer's GPU memory, mapped by a server on that GPU; never tested on CPU-only machines), 'shm' (shared memory, same host), 'http' (safetensors over HTTP), 'auto' (cuda_ipc for a server on the trainer's GPU, else shm for one on this host, else http).", "generation")
     delta_weight_updates: bool = opt(False, "Push a server that holds the previous version only what changed: the XOR of the new and old weights in the server's dtype, zstd-compressed, over HTTP, checked against the whole's fingerprint before it goes live (a server at another version gets the whole). Pays in bf16 across a network (docs/server-and-engines.md has the figures); the trainer keeps its last push in the servers' dtype, each server keeps the weights it was sent (no copy where its engine holds them as sent). LoRA adapters and sharded (FSDP) pushes go whole.", "generation")
     num_generations: int = opt(8, "Completions per prompt (G); advantages are relative within these groups.", "generation")
     max_completion_length: int = opt(512, "Most tokens generated per completion.", "generation")
