@@ -1,6 +1,8 @@
 """TRL's GRPOTrainer on the benchmark task; runs inside bench/vs_trl.py's own TRL environment.
 
-Writes one JSON line per optimizer step: wall-clock timestamp, reward, completion length.
+Writes one JSON line per optimizer step: wall-clock timestamp, reward, completion length, and on
+a GPU the peak GPU memory so far (torch.cuda.max_memory_allocated, GiB; on a GPU TRL trains
+there, as its users run it).
 """
 
 import argparse
@@ -8,6 +10,7 @@ import importlib.util
 import json
 import time
 
+import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -34,6 +37,8 @@ class StepLog(TrainerCallback):
         if logs and "reward" in logs:
             record = {"step": state.global_step, "timestamp": time.time(), "reward": logs["reward"],
                       "mean_length": logs.get("completions/mean_length"), "tool_calls": logs.get("tools/call_frequency")}  # fmt: skip
+            if torch.cuda.is_available():
+                record["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
             self.fh.write(json.dumps(record) + "\n")
             self.fh.flush()
 
@@ -62,7 +67,7 @@ def main():
         logging_steps=1,
         report_to="none",
         save_strategy="no",
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),
         bf16=args.bf16 == "true",
         seed=args.seed,
         disable_tqdm=True,

@@ -1,6 +1,6 @@
 """Weight-sync throughput from a trainer process to a `tandem rollout` server on loopback.
 
-    python bench/weight_sync.py [--size 0.5b|tiny] [--repeats 3] [--transports http shm]
+    python bench/weight_sync.py [--size 0.5b|tiny] [--repeats 3] [--transports http shm] [--device cuda --dtype bfloat16 --transports cuda_ipc shm http]
     python bench/weight_sync.py --delta [--dtypes bfloat16 float32]
     python bench/weight_sync.py --replicas 3
 
@@ -8,6 +8,9 @@ Builds a randomly initialised model of Qwen2-0.5B's shape (494M parameters, fp32
 server process on it, and pushes the weights with each transport as a versioned update
 (begin, chunks, commit), timing the whole push. Prints GB/s (10^9 bytes per second of fp32
 weights moved and made live). The last push of each transport is checked by fingerprint.
+--device cuda: the trainer's weights and the server (--device cuda) on this machine's GPU, where
+`cuda_ipc` is a transport too; prints the GPU memory the server took (free memory before it
+started, less after the pushes). --dtype: the server's (float32 by default).
 
 --delta: delta weight updates (delta_weight_updates) against whole ones, for a server of each
 --dtypes. Between pushes the model takes one AdamW step (lr 1e-6, tandem's default learning
@@ -51,7 +54,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="0.5b", choices=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--transports", nargs="+", default=["http", "shm"])
+    ap.add_argument("--transports", nargs="+", default=["http", "shm"], help="of http, shm, cuda_ipc")
+    ap.add_argument("--device", default="cpu", help="where the trainer's weights and the server are: cpu or cuda")
+    ap.add_argument("--dtype", default="float32", help="the server's dtype")
     ap.add_argument("--delta", action="store_true", help="delta weight updates against whole ones")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="with --delta: the servers' dtypes")
     ap.add_argument("--replicas", type=int, default=0, help="pushes to one server against pushes to this many")
@@ -70,7 +75,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         build_tokenizer().save_pretrained(tmp)
-        server, url = start_server(tmp, timeout=300)
+        cuda = args.device.startswith("cuda")
+        named = list(model.to(args.device).named_parameters())
+        free, mine = (torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()) if cuda else (0, 0)
+        server, url = start_server(tmp, "--device", args.device, "--dtype", args.dtype, timeout=300)
+        want = fingerprint((n, t.to(getattr(torch, args.dtype))) for n, t in named)
         try:
             client = RolloutClient([url], server_timeout=300)
             version = 0
@@ -84,16 +93,21 @@ def main() -> None:
                     client.push_weights(named, version)
                     times.append(time.perf_counter() - t)
                 served = requests.get(url + "/weights/fingerprint", timeout=300).json()
-                ok = served["fingerprint"] == fingerprint(named) and served["version"] == version
+                ok = served["fingerprint"] == want and served["version"] == version
                 best, median = min(times), sorted(times)[len(times) // 2]
                 rows.append((transport, median, nbytes / median / 1e9, nbytes / best / 1e9, ok))
             client.close()
+            if cuda:
+                print(f"the server on {args.device} took {(free - torch.cuda.mem_get_info()[0] - (torch.cuda.memory_reserved() - mine)) / 2**30:.1f} GiB of GPU memory "
+                      f"(its {args.dtype} weights {sum(t.numel() for _, t in named) * getattr(torch, args.dtype).itemsize / 2**30:.1f} GiB, "
+                      "with its CUDA context, caches and a push's staging)")  # fmt: skip
         finally:
             server.terminate()
             server.wait(timeout=30)
+    print(f"{args.device}, a {args.dtype} server")
     print(f"{'transport':<10} {'median s':>9} {'GB/s (median)':>14} {'GB/s (best)':>12} {'fingerprint':>12}")
     for transport, median, gbs, best, ok in rows:
-        print(f"{transport:<10} {median:>9.2f} {gbs:>14.2f} {best:>12.2f} {'match' if ok else 'MISMATCH':>12}")
+        print(f"{transport:<10} {median:>9.3f} {gbs:>14.2f} {best:>12.2f} {'match' if ok else 'MISMATCH':>12}")
 
 
 def fleet_pushes(model, replicas: int, repeats: int, warmup: int) -> None:

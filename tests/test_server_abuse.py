@@ -19,6 +19,7 @@ from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
 from conftest import Server
+from tandem.rollout.client import RolloutClient
 from tandem.rollout.weights import safetensors_stream, sealed_memfd
 
 pytestmark = pytest.mark.quick  # fast enough for the quick loop (README: Tests) as a whole
@@ -130,6 +131,18 @@ def test_1_an_unsealed_memfd_or_a_plain_shm_file_is_refused(server, params):
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
+
+
+def test_1_a_server_on_no_gpu_refuses_cuda_buffers_naming_the_ways_that_reach_it(server, params):
+    uid = begin(server, len(params))
+    buffer = {"handle": "AAAA", "storage_bytes": 64, "storage_offset": 0, "offset": 0, "nbytes": 64, "ref_counter": "AAAA", "ref_counter_offset": 0,
+              "event": None, "event_sync": False}  # fmt: skip
+    r = call(server, "POST", f"/weights/{uid}/cuda", json={"header": {}, "buffer": buffer})
+    assert r.status_code == 400 and "over http or shm" in r.json()["error"], r.text
+    assert call(server, "GET", "/info").json()["cuda_device"] is None
+    # A trainer told to push through CUDA IPC from weights on the CPU is stopped before any request.
+    with pytest.raises(ValueError, match="cuda_ipc needs the trainer's weights on a GPU"):
+        RolloutClient([server.url], transport="cuda_ipc")._push([server.url], list(params.items()))
 
 
 def test_2_a_huge_declared_chunk_allocates_nothing(server, params):
