@@ -57,7 +57,7 @@ class Workspace:
     def __init__(self, rows: int, width: int, device: torch.device):
         self.probs = torch.empty((rows, width), device=device)
         self.scores = torch.empty((rows, width), device=device)
-        self.noise = torch.empty((rows, width))
+        self.noise = torch.empty((rows, width), pin_memory=device.type == "cuda")  # drawn on the CPU; pinned, its copy to a GPU skips a staging copy
         self.uniform = torch.empty(width, dtype=torch.float64)
 
 
