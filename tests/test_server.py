@@ -458,7 +458,7 @@ def test_a_push_cut_by_a_restart_that_the_generating_thread_resyncs_completes(ti
     client = RolloutClient([server.url], server_timeout=30, transport="http")
     real_buckets, results, injected = transports.buckets, [], []
 
-    def restart_first(named, size):
+    def restart_first(named, size, **kw):
         nonlocal server
         if not injected:
             injected.append(1)
@@ -472,7 +472,7 @@ def test_a_push_cut_by_a_restart_that_the_generating_thread_resyncs_completes(ti
             while client._instances[server.url] == synced:  # until the generating thread starts its resync
                 assert time.monotonic() < deadline, "the generating thread never noticed the restart"
                 time.sleep(0.05)
-        yield from real_buckets(named, size)
+        yield from real_buckets(named, size, **kw)
 
     try:
         client.wait_until_ready()

@@ -387,8 +387,8 @@ class RolloutClient:
             body = {"version": version, "force": force, "num_tensors": len(named), "adapter": adapter, "run_id": self.run and self.run["run_id"],
                     "keep_base": self.delta and not adapter and not isinstance(named, StagedWeights)}  # fmt: skip
             uid = self._call("POST", url, "/weights/begin", "a weight update", instance, json=body)["update_id"]
-            own = push is None
-            push = push or self._push([url], named)
+            own = push is None or url not in push.by_url  # a resync's, or a replica put back since the push began
+            push = self._push([url], named) if own else push
             try:
                 self._sent += push.by_url[url].send(lambda method, route, what, **request: self._call(method, url, f"/weights/{uid}/{route}", what, instance, **request),
                                                     url, named, self.bucket_bytes)  # fmt: skip

@@ -20,9 +20,10 @@ Post = Callable[..., dict]
 Named = list[tuple[str, torch.Tensor]] | StagedWeights
 
 
-def bucketed(named: Named, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """A push's buckets on the CPU: StagedWeights as they were written, a bucket at a time."""
-    return named.buckets() if isinstance(named, StagedWeights) else buckets(named, bucket_bytes)
+def bucketed(named: Named, bucket_bytes: int, keep_device: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """A push's buckets, on the CPU unless `keep_device`: StagedWeights as they were written, a
+    bucket at a time."""
+    return named.buckets() if isinstance(named, StagedWeights) else buckets(named, bucket_bytes, keep_device=keep_device)
 
 
 def nbytes(bucket: dict[str, torch.Tensor]) -> int:
@@ -139,7 +140,7 @@ class CudaBuffers(Transport):
     def send(self, post: Post, url: str, named: Named, bucket_bytes: int) -> list[int]:
         with self._lock:  # the copy is elsewhere (another transport's, or a resync's): buffers made once for the push's servers
             if self._buffers is None:
-                self._buffers = [cuda_bucket(b, None, self.device) for b in bucketed(named, bucket_bytes)]
+                self._buffers = [cuda_bucket(b, None, self.device) for b in bucketed(named, bucket_bytes, keep_device=True)]
         for flat, header in self._buffers:
             post("POST", "cuda", "a weight buffer", json={"header": header, "buffer": share_cuda(flat)})
         return [flat.numel() for flat, _ in self._buffers]

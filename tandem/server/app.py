@@ -156,6 +156,8 @@ def build_app(
                   max_request_bytes=max_request_bytes, max_weight_chunk_bytes=max_chunk_bytes, host_id=host_id(), threads=0, stats={},
                   cuda_device=cuda_device_id(device) if cuda_ipc else None)  # fmt: skip
     gpu = torch.device(device) if info.cuda_device else None
+    if gpu is not None and gpu.index is None:  # named with its index, as the engine's weights name their device
+        gpu = torch.device("cuda", torch.cuda.current_device())
     for router in (_status_routes(service, info), _generation_routes(service), _weight_routes(service, gpu), _run_routes(service),
                    _openai_routes(app.state.openai)):  # fmt: skip
         app.include_router(router)
