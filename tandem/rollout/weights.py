@@ -1,4 +1,5 @@
-"""Moving trainer weights into an engine: fingerprints, buckets, the shared-memory path."""
+"""Moving trainer weights into an engine: fingerprints, buckets, safetensors, the shared-memory and
+CUDA IPC paths, delta updates."""
 
 import base64
 import fcntl

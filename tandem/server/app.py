@@ -281,7 +281,8 @@ def _generation_routes(service: RolloutService) -> APIRouter:
 
 
 def _weight_routes(service: RolloutService, gpu: torch.device | None) -> APIRouter:
-    """A weight update: begin, chunks over HTTP or sealed memfds, commit; and the fingerprint."""
+    """A weight update: begin, chunks over HTTP, sealed memfds or buffers on `gpu` (CUDA IPC), commit;
+    and the fingerprint."""
     router = APIRouter()
 
     @router.post("/weights/begin", response_model=P.WeightUpdateHandle,
