@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from tandem.attention import TANDEM_SDPA
 from tandem.linears import fast_linears
-from tandem.rollout.sampling import Workspace, apply_repetition_penalty, chosen_logprobs, filter_logits, sample, scaled_into
+from tandem.rollout.sampling import Workspace, apply_repetition_penalty, chosen_logprobs, filter_logits, row_generators, sample, scaled_into
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import check_weights, fingerprint
 
@@ -254,7 +254,7 @@ class TransformersEngine:
             attention[i, width - len(p) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (N, P)
-        generators = [torch.Generator().manual_seed(seed_bits(s)) for s in seeds]
+        generators = row_generators([seed_bits(s) for s in seeds], device)
         vocab = self.model.get_output_embeddings().weight.shape[0]
         seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)  # (N, V) for the repetition penalty
         if params.repetition_penalty != 1.0:

@@ -57,8 +57,17 @@ class Workspace:
     def __init__(self, rows: int, width: int, device: torch.device):
         self.probs = torch.empty((rows, width), device=device)
         self.scores = torch.empty((rows, width), device=device)
-        self.noise = torch.empty((rows, width), pin_memory=device.type == "cuda")  # drawn on the CPU; pinned, its copy to a GPU skips a staging copy
+        self.noise = torch.empty((rows, width), device=device)  # where the rows' generators draw it (row_generators)
         self.uniform = torch.empty(width, dtype=torch.float64)
+
+
+def row_generators(seeds: list[int], device: torch.device) -> list[torch.Generator]:
+    """Each row's generator, seeded with its seed: on a GPU a CUDA generator, so its noise is drawn
+    there (drawn on the CPU, 8 rows of 151,936 values would take about 7 ms of every decode step,
+    and a copy); elsewhere the CPU's. A row's tokens then depend on its seed and on the kind of
+    device, as its numerics already do."""
+    where = device if device.type == "cuda" else torch.device("cpu")
+    return [torch.Generator(where).manual_seed(seed) for seed in seeds]
 
 
 def scaled_into(logits: torch.Tensor, temperature: float, work: Workspace) -> torch.Tensor:
@@ -90,8 +99,8 @@ def sample(logits: torch.Tensor, generators: list[torch.Generator], work: Worksp
 
 
 def exponential_noise(width: int, generators: list[torch.Generator], work: Workspace | None = None) -> torch.Tensor:
-    """Row i: `width` draws of Exp(1) from generators[i]. (N, width) on the CPU, in `work` where
-    given.
+    """Row i: `width` draws of Exp(1) from generators[i]. (N, width) where the generators are (all
+    on one device), in `work` where given. On a GPU each row is one exponential_ of its own.
 
     torch's exponential_ draws them one at a time on one core (17 ns each, here: 20 ms of a 95 ms
     decode step of 8 rows at the Qwen2.5-0.5B shape's vocabulary of 151,936). Where it computes
@@ -100,9 +109,9 @@ def exponential_noise(width: int, generators: list[torch.Generator], work: Works
     generator left in the same state. All in the calling thread: spread over Python threads,
     whose vectorized ops each start a team of OpenMP threads of their own, the draws made every
     op of a decode step slower (128 against 97 ms a step, 8 rows at that shape in bf16)."""
-    work = work or Workspace(len(generators), width, torch.device("cpu"))
+    work = work or Workspace(len(generators), width, generators[0].device)
     noise = work.noise[: len(generators)]
-    if not _exponential_by_uniform():
+    if noise.device.type != "cpu" or not _exponential_by_uniform():
         for row, generator in zip(noise, generators):
             row.exponential_(generator=generator)
         return noise
