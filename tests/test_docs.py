@@ -34,7 +34,7 @@ from tandem.demo import addition_rows, write_jsonl
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # The commands .ci/run runs, each line without the `phase "NAME"` (or `alongside "NAME"`) that times it.
-CI_LINES = {re.sub(r'^(?:phase|alongside) "[^"]*" ', "", line.strip()) for line in (ROOT / ".ci" / "run").read_text().splitlines()}
+CI_LINES = {re.sub(r'^(?:phase|alongside) "[^"]*" (?:nice -n \d+ )?', "", line.strip()) for line in (ROOT / ".ci" / "run").read_text().splitlines()}
 FENCE = re.compile(r"(?:<!-- not run: (?P<reason>[^>]*?) -->\s*\n)?```bash\n(?P<body>.*?)```", re.S)
 VLLM_ENV = ".venv-vllm/"
 
