@@ -36,11 +36,6 @@ class Transport:
     def __init__(self, users: int, device: torch.device):
         self.users, self.device = users, device
 
-    def copy(self, named: Named, dtype: torch.dtype | None, bucket_bytes: int) -> Named | None:
-        """The push's copy of `named` (in `dtype`, where given) made in this transport's own
-        memory, for every server that takes it; None where it has none."""
-        return None
-
     def send(self, post: Post, url: str, named: Named, bucket_bytes: int) -> list[int]:
         """Stage every weight of `named` on the server at `url`; the bytes of each request."""
         raise NotImplementedError
@@ -133,6 +128,7 @@ class CudaBuffers(Transport):
         self._buffers: list[tuple[torch.Tensor, dict]] | None = None  # (uint8 buffer, its safetensors header) per bucket
 
     def copy(self, named: Named, dtype: torch.dtype | None, bucket_bytes: int) -> Named:
+        """The push's copy of `named` (cast to `dtype`) in the buffers, as views of them in `named`'s order."""
         self._buffers = [cuda_bucket(b, dtype, self.device) for b in buckets(named, bucket_bytes, dtype, keep_device=True)]
         views = {name: t for flat, header in self._buffers for name, t in cuda_views(flat, header).items()}
         return [(name, views[name]) for name, _ in named]

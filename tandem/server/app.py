@@ -303,13 +303,9 @@ def _weight_routes(service: RolloutService, gpu: torch.device | None) -> APIRout
         if declared is None:
             raise HTTPException(411, "a weight chunk needs a Content-Length header")
         nbytes = int(declared)  # Guard checked it is digits and within --max-weight-chunk-bytes
-        service.reserve(update_id, nbytes)
-        try:
+        with service.reserved(update_id, nbytes):
             body = await _read_body(request, nbytes)
             return P.Staged(staged=await in_own_thread(stage, body))
-        except BaseException:
-            service.unreserve(update_id, nbytes)  # a chunk refused or cut off holds no room
-            raise
 
     @router.put("/weights/{update_id}/chunk", **binary)
     async def chunk(update_id: str, request: Request):
@@ -322,13 +318,8 @@ def _weight_routes(service: RolloutService, gpu: torch.device | None) -> APIRout
         def stage(body: bytearray) -> int:
             # The chunk's room becomes what it decompresses to (the weights it stages), reserved
             # before that is allocated; the compressed body counted while it was read.
-            more = max(0, delta_size(body) - len(body))
-            service.reserve(update_id, more)
-            try:
+            with service.reserved(update_id, max(0, delta_size(body) - len(body))):
                 return service.stage_delta(update_id, body)
-            except BaseException:
-                service.unreserve(update_id, more)
-                raise
 
         return await received(update_id, request, stage)
 
@@ -392,19 +383,14 @@ def _stage_file(service: RolloutService, update_id: str, path: str) -> int:
     weights.open_sealed_memfd): the kernel's seals keep a staged or committed version from being
     changed or truncated by anyone; no message quotes the file's contents."""
     mapped = open_sealed_memfd(path)
-    service.reserve(update_id, len(mapped))
-    try:
+    with service.reserved(update_id, len(mapped)):
         return service.stage(update_id, parse_safetensors_or_400(mapped))
-    except BaseException:
-        service.unreserve(update_id, len(mapped))
-        raise
 
 
 def _stage_cuda(service: RolloutService, update_id: str, req: P.WeightBuffer, gpu: torch.device) -> int:
     """Stage weights from a buffer a trainer on this GPU shares (weights.share_cuda): mapped,
     copied into this process's memory on the device, and let go."""
-    service.reserve(update_id, req.buffer.nbytes)
-    try:
+    with service.reserved(update_id, req.buffer.nbytes):
         try:
             shared = open_cuda(req.buffer.model_dump(), gpu)
         except RuntimeError as exc:
@@ -412,9 +398,6 @@ def _stage_cuda(service: RolloutService, update_id: str, req: P.WeightBuffer, gp
         tensors = {name: t.clone() for name, t in cuda_views(shared, req.header).items()}
         torch.cuda.current_stream(gpu).synchronize()  # copied before the mapping goes
         return service.stage(update_id, tensors)
-    except BaseException:
-        service.unreserve(update_id, req.buffer.nbytes)
-        raise
 
 
 def parse_safetensors_or_400(body: bytearray | mmap.mmap):

@@ -431,6 +431,17 @@ class RolloutService:
             if staged is not None:
                 staged.capacity += nbytes
 
+    @contextmanager
+    def reserved(self, update_id: str, nbytes: int):
+        """reserve(), for a chunk staged in the block: a chunk refused or cut off there gives its
+        room back."""
+        self.reserve(update_id, nbytes)
+        try:
+            yield
+        except BaseException:
+            self.unreserve(update_id, nbytes)
+            raise
+
     def stage(self, update_id: str, tensors: dict[str, torch.Tensor]) -> int:
         """Hold tensors of an update aside; nothing is live until commit. Returns tensors staged so far."""
         engine = self._need_engine()
