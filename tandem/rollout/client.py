@@ -260,9 +260,8 @@ class RolloutClient:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0, version_timeout: float = 0.0
     ) -> list[Completion]:
-        """One completion per prompt (with its seed), the prompts shared among the servers up
-        (tandem.rollout.fleet: a Round of the balance); a part whose server goes down is
-        generated again by the others."""
+        """One completion per prompt (with its seed), the prompts shared among the servers up; a
+        part whose server goes down is generated again by the others."""
         self._need_version = max(self._need_version, min_version)
         out: list[Completion | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
@@ -270,20 +269,16 @@ class RolloutClient:
             if len(self.urls) > 1 and (gone := self.fleet.wait_for_one(self.server_timeout)) is not None:
                 raise RolloutServerError(f"no rollout server is left: {gone}; none came back within rollout_server_timeout={self.server_timeout}s",
                                          unreachable=True)  # fmt: skip
-            call = self.fleet.round(prompts, todo)
-
-            def work(worker: tuple[str, int]) -> None:
-                url = worker[0]
-                while (part := call.take(url)) is not None:
-                    call.deliver(part, self._generate_part(url, part, prompts, params, seeds, min_version, version_timeout))
-
-            self._each_replica(work, call.workers)
-            for i, c in call.close().items():
-                out[i] = c
-            left = [i for i in todo if out[i] is None]
-            if call.workers:  # what a replica taken out held goes to the others
-                self.fleet.events["reissued"] += len(left)
-            todo = left
+            plan = self.fleet.plan(prompts, todo)
+            if not plan:  # the last replica went down since: wait for one again
+                continue
+            todo = []
+            for (url, part), got in zip(plan, self._each_replica(lambda p: self._generate_part(p[0], p[1], prompts, params, seeds, min_version, version_timeout), plan)):
+                if got is None:
+                    self.fleet.events["reissued"] += len(part)
+                    todo += part
+                for i, c in zip(part, got or []):
+                    out[i] = c
         return out
 
     def _generate_part(self, url: str, part: list[int], prompts, params: SamplingParams, seeds, min_version: int, version_timeout: float) -> list[Completion]:

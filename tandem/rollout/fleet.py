@@ -1,6 +1,6 @@
 """Several rollout servers as one fleet: how a call's sequences are shared among the replicas that
-are up (a Balance, played out by a Round), which replica holds a sequence's prefix (affinity), and
-which replicas are down. Only decisions and state: the HTTP to each replica is the client's (tandem.rollout.client).
+are up (a Balance), which replica holds a sequence's prefix (affinity), and which replicas are
+down. Only decisions and state: the HTTP to each replica is the client's (tandem.rollout.client).
 
 A completion's tokens depend on its prompt, seed and weights alone (docs/async.md), so which
 replica serves it changes none of them: shares may follow the replicas' measured speed."""
@@ -19,64 +19,26 @@ _MOD = (1 << 61) - 1  # the prefix hash's modulus (a Mersenne prime)
 
 
 class Balance(Protocol):
-    """How a call's `n` sequences go to the replicas: each replica's first part (`shares`), then
-    what is left in pieces of about `piece` sequences, each taken by the first replica free; a
-    replica holds up to `inflight` parts at a time. Told how each request went: its rows, its
-    decode steps (its longest completion) and its seconds."""
-
-    inflight: int
+    """How many of a call's `n` sequences each replica serves; told how each request went: its
+    rows, its decode steps (its longest completion) and its seconds."""
 
     def shares(self, n: int, urls: list[str]) -> list[int]: ...
-
-    def piece(self, n: int, urls: list[str]) -> int: ...
 
     def observe(self, url: str, rows: int, steps: int, seconds: float) -> None: ...
 
 
-class Planned:
-    """A balance that shares every sequence out before the call: one part a replica."""
-
-    inflight = 1
-
-    def piece(self, n: int, urls: list[str]) -> int:
-        return n  # nothing is left over: the shares add up to n
-
-    def observe(self, url: str, rows: int, steps: int, seconds: float) -> None:
-        pass
-
-
-class EvenSplit(Planned):
+class EvenSplit:
     """Equal shares, whatever the replicas' speed: a replica at half speed holds every call."""
 
     def shares(self, n: int, urls: list[str]) -> list[int]:
         k = len(urls)
         return [round((i + 1) * n / k) - round(i * n / k) for i in range(k)]
 
-
-class Pull:
-    """Pieces taken as replicas free up: a call is cut into PIECES pieces a replica, and a replica
-    takes the next one as soon as it holds fewer than two (one generating, the next waiting at the
-    server, so it never idles between them). A slow replica takes fewer pieces, with nothing to
-    fit and nothing to learn; a replica that stalls holds at most its two. What it costs: smaller
-    batches. A decode step of a few rows costs a CPU engine about as much as one of many, so a
-    tandem server makes fewer tokens/s from pieces; an engine that batches continuously (vLLM)
-    merges them into its running batch."""
-
-    PIECES = 4
-    inflight = 2
-
-    def piece(self, n: int, urls: list[str]) -> int:
-        return max(1, math.ceil(n / (self.PIECES * len(urls))))
-
-    def shares(self, n: int, urls: list[str]) -> list[int]:
-        p = self.piece(n, urls)
-        return [min(p, max(n - i * p, 0)) for i in range(len(urls))]
-
     def observe(self, url: str, rows: int, steps: int, seconds: float) -> None:
         pass
 
 
-class Timed(Planned):
+class Timed:
     """Shares that make the replicas answer together, from the times they took. A decode step of
     r rows takes a + b*r seconds on a replica: a is what every step costs (reading the weights,
     dispatch), b what each row adds. Each replica's a and b are fitted to its last KEPT requests
@@ -137,7 +99,7 @@ class Timed(Planned):
         return counts
 
 
-BALANCES = {"speed": Timed, "even": EvenSplit, "pull": Pull}
+BALANCES = {"speed": Timed, "even": EvenSplit}
 
 
 @dataclass
@@ -201,23 +163,6 @@ class Fleet:
             parts[url] += [next(it) for _ in range(quota[url] - len(parts[url]))]
         return [(url, sorted(part)) for url, part in parts.items() if part]
 
-    def round(self, prompts: list[list[int]], indices: list[int]) -> "Round":
-        """A call's `indices` (of `prompts`) for the replicas up to take: each its planned part,
-        then the rest in pieces (Balance.piece), a prompt's sequences never cut apart."""
-        urls = self.up()
-        parts = self.plan(prompts, indices)
-        planned = {i for _, part in parts for i in part}
-        size = self.balance.piece(len(indices), urls) if urls else len(indices)
-        pieces, piece = [], []
-        for i in (i for i in indices if i not in planned):
-            if len(piece) >= size and prompts[i] != prompts[piece[-1]]:
-                pieces.append(piece)
-                piece = []
-            piece.append(i)
-        if piece:
-            pieces.append(piece)
-        return Round(self, parts, pieces, self.balance.inflight)
-
     def served(self, url: str, prompts: list[list[int]], steps: int, seconds: float) -> None:
         """`url` answered for `prompts` in `seconds`, its longest completion `steps` tokens."""
         with self._changed:
@@ -240,41 +185,6 @@ class Fleet:
             now = time.monotonic()
             return "; ".join(f"{u} down for {now - d.since:.0f}s ({d.why})" for u, d in self.down.items())
 
-
-
-class Round:
-    """One call's sequences as the replicas take them (Fleet.round): `workers` lists a (url, slot)
-    for each part a replica may hold at once; each worker takes its replica's planned part, then
-    free pieces, until none is left. A replica taken out takes nothing more, and what it held is
-    not answered (`done` lacks it): the call generates it again elsewhere. What arrives after
-    close() (from a replica taken out that answered late) is dropped."""
-
-    def __init__(self, fleet: Fleet, parts: list[tuple[str, list[int]]], pieces: list[list[int]], inflight: int):
-        self.fleet = fleet
-        self.planned = dict(parts)
-        self.pieces = deque(pieces)
-        self.workers = [(url, slot) for url in fleet.up() for slot in range(inflight)]
-        self.done: dict[int, object] = {}  # index -> its completion
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def take(self, url: str) -> list[int] | None:
-        with self._lock:
-            if self._closed or not self.fleet.is_up(url):
-                return None
-            if url in self.planned:
-                return self.planned.pop(url)
-            return self.pieces.popleft() if self.pieces else None
-
-    def deliver(self, part: list[int], completions: list) -> None:
-        with self._lock:
-            if not self._closed:
-                self.done.update(zip(part, completions))
-
-    def close(self) -> dict[int, object]:
-        with self._lock:
-            self._closed = True
-            return self.done
 
 
 def _prefixes(tokens: list[int]):
