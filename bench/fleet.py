@@ -1,11 +1,11 @@
 """A fleet of rollout servers on this machine: completion tokens/s of one replica and of two (each
 pinned to a core of its own with taskset, one engine thread each), then the same two with one
-made a straggler, under `even` shares (tandem's split before fleets) and `speed` shares (the
-default), alternating call by call in one run.
+made a straggler, under each balance of `--rollout_balance` (`speed`, the default; `even`, tandem's
+split before fleets), alternating call by call in one run.
 
-    python bench/fleet.py [--size small] [--prompts 32] [--max-tokens 128] [--calls 6]
+    python bench/fleet.py [--size small] [--prompts 32] [--max-tokens 128] [--calls 6] [--engine vllm]
 
-The straggler is produced by this script: a thread stops that replica's process for half of
+The straggler is produced by this script: a thread stops that replica's processes for half of
 every 100 ms (SIGSTOP, then SIGCONT), so it runs at half speed whatever it does. With more
 replicas than cores (--replicas 3 on two), none is pinned: each runs in a CPU cgroup of its own
 that caps it at cores / replicas of a core (cpu.cfs_quota_us, or cpu.max where the machine has
@@ -25,15 +25,37 @@ from pathlib import Path
 from common import start_server  # bench/common.py
 from tandem.init_model import init_model
 from tandem.rollout.client import RolloutClient
+from tandem.rollout.fleet import BALANCES
 from tandem.rollout.types import SamplingParams
 
 
+def family(pid: int) -> list[int]:
+    """`pid` and every process under it (a vLLM server's engine core and workers)."""
+    pids = [pid]
+    for p in pids:
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return pids
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
 def throttle(pid: int, stop: threading.Event, period: float = 0.1) -> None:
-    """Half speed: stopped for the first half of every period."""
+    """Half speed: the process and those under it stopped for the first half of every period."""
+    pids = family(pid)
     while not stop.is_set():
-        os.kill(pid, signal.SIGSTOP)
+        signal_all(pids, signal.SIGSTOP)
         time.sleep(period / 2)
-        os.kill(pid, signal.SIGCONT)
+        signal_all(pids, signal.SIGCONT)
         time.sleep(period / 2)
 
 
@@ -74,6 +96,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=8, help="calls per figure")
     ap.add_argument("--replicas", type=int, default=min(os.cpu_count() or 1, 3),
                     help="replicas, one core each; more than the cores: each capped at cores / replicas by a cgroup (root)")
+    ap.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+                    help="the servers' engine (vllm: run this script with .venv-vllm's python; eager mode, as the tests run it)")
     ap.add_argument("--cap", type=float, help="with more replicas than cores: each replica's cap in cores (default cores / replicas)")
     args = ap.parse_args()
     k, cores = args.replicas, os.cpu_count() or 1
@@ -82,6 +106,7 @@ def main() -> None:
     prompts = [[1, 40 + i % 50, 60, 70, 80] for i in range(args.prompts)]
     seeds = list(range(args.prompts))
     params = SamplingParams(max_tokens=args.max_tokens)
+    engine = ("--engine", "vllm", "--enforce-eager") if args.engine == "vllm" else ()
 
     with tempfile.TemporaryDirectory() as tmp:
         init_model(Path(tmp) / "model", size=args.size, seed=0)
@@ -89,14 +114,15 @@ def main() -> None:
             caps = [CpuCap(f"tandem-fleet-{os.getpid()}-{i}") for i in range(k)]
             for cap in caps:
                 cap.set(cap_cores)
-            servers = [start_server(Path(tmp) / "model", "--threads", "1") for _ in range(k)]
+            servers = [start_server(Path(tmp) / "model", "--threads", "1", *engine, timeout=600) for _ in range(k)]
             for cap, (proc, _) in zip(caps, servers):
-                cap.hold(proc.pid)
+                for pid in family(proc.pid):  # a vLLM server's engine core and workers too
+                    cap.hold(pid)
         else:
-            servers = [start_server(Path(tmp) / "model", "--threads", "1", prefix=["taskset", "-c", str(i)]) for i in range(k)]
+            servers = [start_server(Path(tmp) / "model", "--threads", "1", *engine, prefix=["taskset", "-c", str(i)], timeout=600) for i in range(k)]
         urls = [url for _, url in servers]
         try:
-            clients = {"even": RolloutClient(urls, balance="even"), "speed": RolloutClient(urls, balance="speed")}
+            clients = {name: RolloutClient(urls, balance=name) for name in BALANCES}
             one = RolloutClient(urls[:1])
             for c in (one, *clients.values()):
                 c.wait_until_ready()
@@ -113,26 +139,26 @@ def main() -> None:
                         got[name].append(tokens_per_second(clients.get(name, one), prompts, seeds, params))
                 return {n: sorted(v)[len(v) // 2] for n, v in got.items()}
 
-            even_fleet = alternate(["one", "even", "speed"])
+            even_fleet = alternate(["one", *clients])
             stop = threading.Event()
             if capped:
                 caps[-1].set(cap_cores / 2)
             else:
                 threading.Thread(target=throttle, args=(servers[-1][0].pid, stop), daemon=True).start()
             try:
-                straggler = alternate(["even", "speed"])
+                straggler = alternate(list(clients))
             finally:
                 stop.set()
                 time.sleep(0.2)
-                os.kill(servers[-1][0].pid, signal.SIGCONT)
+                signal_all(family(servers[-1][0].pid), signal.SIGCONT)
             each = f"capped at {cap_cores:.2f} of a core" if capped else "one core"
             print(f"model {args.size}, {args.prompts} completions of up to {args.max_tokens} tokens a call, median of {args.calls} calls; "
                   f"{k} replicas, {each} and one thread each; completion tokens/s")  # fmt: skip
-            print("| fleet | even shares | speed shares |\n|---|---|---|")
-            print(f"| 1 replica | {even_fleet['one']:.0f} | |")
-            print(f"| {k} replicas | {even_fleet['even']:.0f} | {even_fleet['speed']:.0f} |")
-            print(f"| {k} replicas, one at half speed | {straggler['even']:.0f} | {straggler['speed']:.0f} |")
-            for name in ("even", "speed"):
+            print(f"| fleet | {' | '.join(clients)} |\n|---|{'---|' * len(clients)}")
+            print(f"| 1 replica | {even_fleet['one']:.0f} |{' |' * (len(clients) - 1)}")
+            print(f"| {k} replicas | {' | '.join(f'{even_fleet[n]:.0f}' for n in clients)} |")
+            print(f"| {k} replicas, one at half speed | {' | '.join(f'{straggler[n]:.0f}' for n in clients)} |")
+            for name in clients:
                 print(f"{name}: the straggler keeps {straggler[name] / even_fleet[name]:.0%} of the even fleet's tokens/s")
             timed = clients["speed"].fleet.balance
             fits = ", ".join(f"replica {i}: a {fit[0] * 1e3:.2f} ms, b {fit[1] * 1e3:.3f} ms" for i, u in enumerate(urls) if (fit := timed.fit(u)))
