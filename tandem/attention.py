@@ -21,6 +21,17 @@ takes a route that is faster on a CPU and gives the same attention.
   the mask; the keys' and values' gradients round otherwise (the kernel's blocks of queries start
   elsewhere).
 
+- Short sequences in bf16 (or fp16) with gradients: a training micro-batch of short
+  completions. The CPU flash kernel's low-precision backward is slow at these sizes: on an AMD
+  EPYC with AVX512-BF16 and no AMX, the toy shape of bench/vs_trl.py (64 rows of 76 tokens, 8
+  heads of 32 over 4 key/value heads) took 60 ms a layer forward and backward on 2 cores, 116 on
+  one, against 22 and 28 with the attention written out (a matmul, a softmax in fp32, a matmul,
+  as transformers' eager attention; each key/value head's query heads folded into its rows). The
+  written-out form keeps every score for the backward, and gets slower than the kernel as they
+  grow (2x slower at 64 rows of 200 tokens), so it is taken up to MATH_MAX_SCORES scores a
+  call. Without gradients the kernel is as fast or faster, and in fp32 it is. The same
+  attention up to rounding (bf16's: 0.03 at most in these outputs).
+
 A query at a padded position (whose own key the mask hides) gets another value than sdpa would
 give it: callers never read those (transformers' own convention).
 """
@@ -32,6 +43,7 @@ from transformers.modeling_utils import AttentionInterface
 
 TANDEM_SDPA = "tandem_sdpa"
 CAUSAL_MIN_QUERIES = 512
+MATH_MAX_SCORES = 2**22  # batch x heads x queries x keys: 4M scores kept for the backward, 24 MB a layer
 
 
 def tandem_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
@@ -44,6 +56,8 @@ def tandem_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         return _folded_one_query(query, key, value, scaling, groups), None
     if plain and CAUSAL_MIN_QUERIES <= length < keys and _causal_after_prefix(attention_mask, length, keys):
         return _causal_from_top_left(query, key, value, attention_mask, scaling, groups), None
+    if plain and length > 1 and _written_out_pays(query, keys) and (attention_mask.dtype == torch.bool if attention_mask is not None else getattr(module, "is_causal", True)):
+        return _written_out(query, key, value, attention_mask, scaling, groups), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -79,6 +93,31 @@ def _causal_from_top_left(query, key, value, mask, scaling, groups):
         back = (torch.arange(keys, device=out.device) - pads[:, None]) % keys  # (B, S)
         out = out.gather(2, back[:, None, :, None].expand(-1, heads, -1, out.shape[3]))
     return out[:, :, keys - length :].transpose(1, 2).contiguous()  # (B, L, H, D)
+
+
+def _written_out_pays(query, keys: int) -> bool:
+    """Whether the attention written out is the faster route (the module docstring): short, in
+    bf16 or fp16, with gradients, on a CPU."""
+    return (
+        torch.is_grad_enabled() and query.requires_grad and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+        and query.shape[0] * query.shape[1] * query.shape[2] * keys <= MATH_MAX_SCORES
+    )  # fmt: skip
+
+
+def _written_out(query, key, value, mask, scaling, groups):
+    """softmax(q k^T * scaling, masked) v, the softmax in fp32; `mask` (B, 1, L, S) says what each
+    query sees (None: causal from the top left, as sdpa's is_causal)."""
+    b, heads, length, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    if scaling is None:
+        scaling = dim**-0.5
+    if mask is None:
+        mask = torch.ones(length, keys, dtype=torch.bool, device=query.device).tril()[None, None]
+    scores = torch.matmul(query.reshape(b, kv_heads, groups * length, dim), key.transpose(2, 3)) * scaling  # (B, KVH, G*L, S)
+    # A fully masked row (a padded query) gets the same score everywhere, not -inf: no NaN to spread.
+    scores = scores.view(b, kv_heads, groups, length, keys).masked_fill(~mask[:, :, None], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).view(b, kv_heads, groups * length, keys)
+    return torch.matmul(probs, value).view(b, heads, length, value.shape[-1]).transpose(1, 2).contiguous()  # (B, L, H, D)
 
 
 def use_tandem_attention(model: torch.nn.Module) -> bool:

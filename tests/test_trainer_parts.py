@@ -198,6 +198,48 @@ def test_attention_with_a_mask_that_is_not_causal_after_a_prefix_is_transformers
     assert torch.equal(attention.tandem_sdpa(Attention(), query, key, value, mask)[0], sdpa_attention_forward(Attention(), query, key, value, mask)[0])
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_short_bf16_attention_with_gradients_written_out_is_sdpas_to_bf16_rounding(monkeypatch, masked):
+    """tandem.attention's written-out route against float64 sdpa: outputs and the gradients of the
+    query, keys and values about as close as sdpa's own bf16 kernel's (a padded row's query
+    included: finite, its output unread); taken only with gradients and in bf16."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups, layer_idx, is_causal = 2, 0, True
+
+    calls = []
+    route = attention._written_out
+    monkeypatch.setattr(attention, "_written_out", lambda *a: calls.append(1) or route(*a))
+    torch.manual_seed(0)
+    b, length, keys = 3, 6, 9  # 3 cached keys before the 6 queries
+    exact = [torch.randn(b, 4, length, 8, dtype=torch.float64), torch.randn(b, 2, keys, 8, dtype=torch.float64), torch.randn(b, 2, keys, 8, dtype=torch.float64)]
+    mask = None
+    if masked:
+        mask = (torch.arange(keys) <= torch.arange(keys - length, keys)[:, None]).expand(b, 1, length, keys).clone()
+        mask[1, :, :, :4] = False  # row 1 left-padded by 4: its first query sees nothing
+    upstream = torch.randn(b, length, 4, 8, dtype=torch.float64)
+    if masked:
+        upstream[1, 0] = 0  # nothing reads a padded query's output
+
+    def run(attend, dtype):
+        q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in exact)
+        out, _ = attend(Attention(), q, k, v, mask)
+        (out.double() * upstream).sum().backward()
+        return [out.double() * (upstream != 0)] + [t.grad.double() for t in (q, k, v)]
+
+    truth = run(sdpa_attention_forward, torch.float64)
+    ours = run(attention.tandem_sdpa, torch.bfloat16)
+    assert len(calls) == 1 and all(t.isfinite().all() for t in ours)
+    kernel = run(sdpa_attention_forward, torch.bfloat16)
+    for t, o, k in zip(truth, ours, kernel):  # the probabilities rounded to bf16 before v: up to an ulp of the largest
+        assert (o - t).abs().max() <= max(2 * (k - t).abs().max(), 2**-7 * t.abs().max())
+    run(attention.tandem_sdpa, torch.float32)  # fp32, and bf16 without gradients: the kernel
+    with torch.no_grad():
+        attention.tandem_sdpa(Attention(), *(t.to(torch.bfloat16) for t in exact), mask)
+    assert len(calls) == 1
+
+
 def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):
     """What `run` (a forward returning a loss) keeps for the backward, in bytes, its loss, and the
     gradient of each of `params`."""
