@@ -21,16 +21,19 @@ takes a route that is faster on a CPU and gives the same attention.
   the mask; the keys' and values' gradients round otherwise (the kernel's blocks of queries start
   elsewhere).
 
-- Short sequences in bf16 (or fp16) with gradients: a training micro-batch of short
-  completions. The CPU flash kernel's low-precision backward is slow at these sizes: on an AMD
-  EPYC with AVX512-BF16 and no AMX, the toy shape of bench/vs_trl.py (64 rows of 76 tokens, 8
-  heads of 32 over 4 key/value heads) took 60 ms a layer forward and backward on 2 cores, 116 on
-  one, against 22 and 28 with the attention written out (a matmul, a softmax in fp32, a matmul,
-  as transformers' eager attention; each key/value head's query heads folded into its rows). The
-  written-out form keeps every score for the backward, and gets slower than the kernel as they
-  grow (2x slower at 64 rows of 200 tokens), so it is taken up to MATH_MAX_SCORES scores a
-  call. Without gradients the kernel is as fast or faster, and in fp32 it is. The same
-  attention up to rounding (bf16's: 0.03 at most in these outputs).
+- Short sequences in bf16 or fp16 (bf16 weights, or fp32 ones under autocast): a training
+  micro-batch of short completions, a prompt's prefill. The CPU flash kernel's low-precision
+  backward is slow at these sizes: on an AMD EPYC with AVX512-BF16 and no AMX, a micro-batch of
+  the toy shape of bench/vs_trl.py (54 rows of 63 completion tokens after 23 prompt tokens, 8
+  heads of 32 over 4 key/value heads, fp32 under bf16 autocast) took 48 ms a layer forward and
+  backward on 2 cores, 79 on one, against 17 and 26 with the attention written out (a matmul, a
+  softmax in fp32, a matmul, as transformers' eager attention; each key/value head's query heads
+  folded into its rows). The written-out form keeps every score for the backward and gets slower
+  than the kernel as they grow (2x slower at 64 rows of 200 tokens), so it is taken up to
+  MATH_MAX_SCORES scores a call. It is taken without gradients too, where it is up to 1.4x slower
+  than the kernel, so that a forward without gradients (the old policy's log-probs) computes what
+  the training forward does. In fp32 the kernel is as fast or faster. The same attention up to
+  bf16's rounding (the probabilities are rounded to bf16 before they weigh the values).
 
 A query at a padded position (whose own key the mask hides) gets another value than sdpa would
 give it: callers never read those (transformers' own convention).
@@ -96,12 +99,10 @@ def _causal_from_top_left(query, key, value, mask, scaling, groups):
 
 
 def _written_out_pays(query, keys: int) -> bool:
-    """Whether the attention written out is the faster route (the module docstring): short, in
-    bf16 or fp16, with gradients, on a CPU."""
-    return (
-        torch.is_grad_enabled() and query.requires_grad and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
-        and query.shape[0] * query.shape[1] * query.shape[2] * keys <= MATH_MAX_SCORES
-    )  # fmt: skip
+    """Whether the attention written out is the faster route (the module docstring): short, on a
+    CPU, computed in bf16 or fp16 (the query's dtype, or autocast's, which sdpa takes)."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    return query.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and query.shape[0] * query.shape[1] * query.shape[2] * keys <= MATH_MAX_SCORES
 
 
 def _written_out(query, key, value, mask, scaling, groups):

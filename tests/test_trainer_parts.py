@@ -202,7 +202,7 @@ def test_attention_with_a_mask_that_is_not_causal_after_a_prefix_is_transformers
 def test_short_bf16_attention_with_gradients_written_out_is_sdpas_to_bf16_rounding(monkeypatch, masked):
     """tandem.attention's written-out route against float64 sdpa: outputs and the gradients of the
     query, keys and values about as close as sdpa's own bf16 kernel's (a padded row's query
-    included: finite, its output unread); taken only with gradients and in bf16."""
+    included: finite, its output unread); taken in bf16 and under bf16 autocast, not in fp32."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     class Attention(torch.nn.Module):
@@ -234,10 +234,10 @@ def test_short_bf16_attention_with_gradients_written_out_is_sdpas_to_bf16_roundi
     kernel = run(sdpa_attention_forward, torch.bfloat16)
     for t, o, k in zip(truth, ours, kernel):  # the probabilities rounded to bf16 before v: up to an ulp of the largest
         assert (o - t).abs().max() <= max(2 * (k - t).abs().max(), 2**-7 * t.abs().max())
-    run(attention.tandem_sdpa, torch.float32)  # fp32, and bf16 without gradients: the kernel
-    with torch.no_grad():
-        attention.tandem_sdpa(Attention(), *(t.to(torch.bfloat16) for t in exact), mask)
+    run(attention.tandem_sdpa, torch.float32)  # fp32: the kernel
     assert len(calls) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 under bf16 autocast, without gradients: written out
+        assert attention.tandem_sdpa(Attention(), *(t.float() for t in exact), mask)[0].dtype == torch.bfloat16 and len(calls) == 2
 
 
 def _saved_bytes_and_gradients(params: dict[str, torch.Tensor], run):
