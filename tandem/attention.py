@@ -59,7 +59,8 @@ def tandem_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         return _folded_one_query(query, key, value, scaling, groups), None
     if plain and CAUSAL_MIN_QUERIES <= length < keys and _causal_after_prefix(attention_mask, length, keys):
         return _causal_from_top_left(query, key, value, attention_mask, scaling, groups), None
-    if plain and length > 1 and _written_out_pays(query, keys) and (attention_mask.dtype == torch.bool if attention_mask is not None else getattr(module, "is_causal", True)):
+    causal = kwargs.get("is_causal") if kwargs.get("is_causal") is not None else getattr(module, "is_causal", True)  # as sdpa_attention_forward
+    if plain and length > 1 and _written_out_pays(query, keys) and (attention_mask.dtype == torch.bool if attention_mask is not None else causal):
         return _written_out(query, key, value, attention_mask, scaling, groups), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 

@@ -199,7 +199,7 @@ def test_attention_with_a_mask_that_is_not_causal_after_a_prefix_is_transformers
 
 
 @pytest.mark.parametrize("masked", [True, False])
-def test_short_bf16_attention_with_gradients_written_out_is_sdpas_to_bf16_rounding(monkeypatch, masked):
+def test_short_bf16_attention_written_out_is_sdpas_to_bf16_rounding(monkeypatch, masked):
     """tandem.attention's written-out route against float64 sdpa: outputs and the gradients of the
     query, keys and values about as close as sdpa's own bf16 kernel's (a padded row's query
     included: finite, its output unread); taken in bf16 and under bf16 autocast, not in fp32."""
