@@ -59,8 +59,7 @@ def tandem_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         return _folded_one_query(query, key, value, scaling, groups), None
     if plain and CAUSAL_MIN_QUERIES <= length < keys and _causal_after_prefix(attention_mask, length, keys):
         return _causal_from_top_left(query, key, value, attention_mask, scaling, groups), None
-    causal = kwargs.get("is_causal") if kwargs.get("is_causal") is not None else getattr(module, "is_causal", True)  # as sdpa_attention_forward
-    if plain and length > 1 and _written_out_pays(query, keys) and (attention_mask.dtype == torch.bool if attention_mask is not None else causal):
+    if plain and length > 1 and _written_out_pays(module, query, keys, attention_mask, kwargs.get("is_causal")):
         return _written_out(query, key, value, attention_mask, scaling, groups), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -99,11 +98,16 @@ def _causal_from_top_left(query, key, value, mask, scaling, groups):
     return out[:, :, keys - length :].transpose(1, 2).contiguous()  # (B, L, H, D)
 
 
-def _written_out_pays(query, keys: int) -> bool:
+def _written_out_pays(module, query, keys: int, mask, is_causal: bool | None) -> bool:
     """Whether the attention written out is the faster route (the module docstring): short, on a
-    CPU, computed in bf16 or fp16 (the query's dtype, or autocast's, which sdpa takes)."""
+    CPU, computed in bf16 or fp16 (the query's dtype, or autocast's, which sdpa takes), with a
+    boolean mask or none where sdpa would be causal (its is_causal, else the module's)."""
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
-    return query.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and query.shape[0] * query.shape[1] * query.shape[2] * keys <= MATH_MAX_SCORES
+    if query.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or query.shape[0] * query.shape[1] * query.shape[2] * keys > MATH_MAX_SCORES:
+        return False
+    if mask is not None:
+        return mask.dtype == torch.bool
+    return is_causal if is_causal is not None else getattr(module, "is_causal", True)
 
 
 def _written_out(query, key, value, mask, scaling, groups):
