@@ -51,21 +51,16 @@ HERE = Path(__file__).resolve().parent
 PROMPT = [1000 + i for i in range(16)]
 
 
-def weight_classes(model) -> dict[str, tuple[set, int]]:
-    """Each class of weight matrix: the (out, in) shapes it holds, and its elements in all layers."""
+def weight_classes(model) -> tuple[dict[str, set], int]:
+    """Each class of matmul by the (out, in) shapes of the weights it runs over (q, k and v, gate
+    and up stacked where the engine stacks them: tandem.linears.SIBLINGS), and the elements of
+    every weight matrix a decode step reads."""
     c = model.config
-    head_dim = c.hidden_size // c.num_attention_heads
-    kv = c.num_key_value_heads * head_dim
-    shapes = {"q, o": {(c.hidden_size, c.hidden_size)}, "k, v": {(kv, c.hidden_size)}, "gate, up": {(c.intermediate_size, c.hidden_size)},
-              "down": {(c.hidden_size, c.intermediate_size)}, "output layer": {(c.vocab_size, c.hidden_size)}}  # fmt: skip
-    counts = defaultdict(int)
-    for name, p in model.named_parameters():
-        if p.dim() == 2 and "embed" not in name:
-            for cls, s in shapes.items():
-                if tuple(p.shape) in s:
-                    counts[cls] += p.numel()
-    counts["output layer"] = c.vocab_size * c.hidden_size  # tied to the embedding
-    return {cls: (s, counts[cls]) for cls, s in shapes.items()}
+    h, inter, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    classes = {"q, o": {(h, h)}, "k, v": {(kv, h)}, "q, k, v stacked": {(h + 2 * kv, h)}, "gate, up": {(inter, h), (2 * inter, h)},
+               "down": {(h, inter)}, "output layer": {(c.vocab_size, h)}}  # fmt: skip
+    elements = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
+    return classes, elements + c.vocab_size * h  # the output layer is tied to the embedding
 
 
 def timed(engine, rows: int, tokens: int, seed: int) -> float:
@@ -74,7 +69,8 @@ def timed(engine, rows: int, tokens: int, seed: int) -> float:
     return time.perf_counter() - start
 
 
-def classify(event, classes) -> str:
+def classify(event, classes) -> tuple[str, int]:
+    """The event's op class, and the elements of the weight it multiplies by (0 for no matmul)."""
     name, shapes_in = event.key, event.input_shapes
     # The weight among the inputs, as (out, in): F.linear's and oneDNN's second input; addmm's
     # third (bias, x, weight transposed), mm's second (transposed).
@@ -86,31 +82,37 @@ def classify(event, classes) -> str:
     elif name == "aten::mm" and len(shapes_in) > 1:
         weight = tuple(shapes_in[1])[::-1]
     if weight is not None:
-        return next((cls for cls, (shapes, _) in classes.items() if weight in shapes), "other matmul")
+        cls = next((cls for cls, shapes in classes.items() if weight in shapes), "other matmul")
+        return cls, weight[0] * weight[1] if len(weight) == 2 else 0
     if "attention" in name or "sdpa" in name or "softmax" in name and "log" not in name:
-        return "attention"
+        return "attention", 0
     if any(k in name for k in ("multinomial", "exponential", "log_softmax", "argmax", "sort", "topk", "gather", "cumsum", "isin", "where")):
-        return "sampling"
+        return "sampling", 0
     if any(k in name for k in ("::to", "_to_copy", "copy_", "cat", "index", "clone", "contiguous")):
-        return "casts, copies, cache"
-    return "rest"
+        return "casts, copies, cache", 0
+    return "rest", 0
 
 
-def profile(engine, rows: int, classes, steps: int = 4) -> dict[str, float]:
+def profile(engine, rows: int, classes, steps: int = 4) -> tuple[dict[str, float], dict[str, float]]:
     """Self CPU time per decode step of each op class, in ms (the generate call at steps + 1
     tokens less the one at 1 token, so that prefill falls out), with the weights packed for
-    oneDNN as the timed calls have them (the engine keeps its packs)."""
-    totals = []
+    oneDNN as the timed calls have them (the engine keeps its packs); and the weight elements
+    each matmul class reads a step."""
+    totals, read = [], []
     for tokens in (1, steps + 1):
         engine.generate([PROMPT] * rows, SamplingParams(max_tokens=tokens), list(range(rows)))  # warm, packed
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             engine.generate([PROMPT] * rows, SamplingParams(max_tokens=tokens), list(range(rows)))
-        per = defaultdict(float)
+        per, elements = defaultdict(float), defaultdict(int)
         # The top-level ops only: a matmul's children (its kernels, its cast) count in its own time.
         for e in prof.key_averages(group_by_input_shape=True):
-            per[classify(e, classes)] += e.self_cpu_time_total / 1000
+            cls, weight = classify(e, classes)
+            per[cls] += e.self_cpu_time_total / 1000
+            elements[cls] += weight * e.count
         totals.append(per)
-    return {k: (totals[1][k] - totals[0][k]) / steps for k in set(totals[0]) | set(totals[1])}
+        read.append(elements)
+    keys = set(totals[0]) | set(totals[1])
+    return {k: (totals[1][k] - totals[0][k]) / steps for k in keys}, {k: (read[1][k] - read[0][k]) / steps for k in keys}
 
 
 def baseline_step(engine, rows: int, tokens: int) -> float:
@@ -133,8 +135,9 @@ def tandem_rows(model_dir: Path, modes: list[str], row_counts: list[int], length
     for mode in modes:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if mode == "bf16" else torch.float32)
         engine = TransformersEngine(model, eos_token_ids=[0], pad_token_id=0, keep_packed=True)
-        classes = weight_classes(model)
-        weight_bytes = sum(n for _, n in classes.values()) * (2 if mode in ("bf16", "autocast") else 4)
+        classes, elements = weight_classes(model)
+        element_bytes = 2 if mode in ("bf16", "autocast") else 4
+        weight_bytes = elements * element_bytes
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast")
         with autocast:
             packing = timed(engine, 1, 1, 0)  # packs the weights, kept for the calls below
@@ -153,23 +156,21 @@ def tandem_rows(model_dir: Path, modes: list[str], row_counts: list[int], length
                         print(f"tandem {mode:8s} {rows:3d} rows x {tokens:4d} tokens, as before (function mode, exponential_): {before * 1e3:.1f} ms/step; "
                               f"the engine's path again {again * 1e3:.1f} ms/step ({before / ((step + again) / 2):.2f}x the time of the two)", flush=True)
                 if with_profile:
-                    print_profile(engine, rows, classes, weight_bytes)
+                    print_profile(engine, rows, classes, element_bytes)
 
 
 def row_line(step: float, rows: int, floor: float) -> str:
     return f"{1000 * step:7.1f} ms/step, {rows / step:6.1f} tokens/s; bandwidth limit {1000 * floor:5.1f} ms/step ({100 * floor / step:4.1f}% of it)"
 
 
-def print_profile(engine, rows: int, classes, weight_bytes: int) -> None:
-    per = profile(engine, rows, classes)
+def print_profile(engine, rows: int, classes, element_bytes: int) -> None:
+    per, read = profile(engine, rows, classes)
     total = sum(per.values())
     cells = []
     for cls, ms in sorted(per.items(), key=lambda kv: -kv[1]):
         if ms <= 0.05:
             continue
-        gbs = ""
-        if cls in classes:
-            gbs = f", {classes[cls][1] * (weight_bytes / sum(n for _, n in classes.values())) / (ms / 1000) / 1e9:.1f} GB/s"
+        gbs = f", {read[cls] * element_bytes / (ms / 1000) / 1e9:.1f} GB/s" if read[cls] else ""
         cells.append(f"{cls} {ms:.1f} ms{gbs}")
     print(f"    profile ({total:.1f} ms/step of op time): " + "; ".join(cells), flush=True)
 
@@ -231,7 +232,7 @@ def main() -> None:
         write_model(model_dir, "0.5b")
         tandem_rows(model_dir, args.modes, args.rows, args.tokens, limit, not args.no_profile, args.baseline)
         if args.vllm:
-            weights = sum(n for _, n in weight_classes(AutoModelForCausalLM.from_pretrained(model_dir)).values())
+            weights = weight_classes(AutoModelForCausalLM.from_pretrained(model_dir))[1]
             vllm_rows(model_dir, args.rows, args.tokens, limit, weights)
 
 

@@ -265,6 +265,35 @@ def test_packed_bf16_linears_decode_as_unpacked_ones(tiny_model, monkeypatch, mo
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-2)
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
+def test_sibling_projections_decode_as_one_matmul_to_the_same_tokens(tiny_model, monkeypatch, mode):
+    # q, k, v and gate, up take one input each: with packed weights a forward runs each set as one
+    # matmul over their weights stacked (linears.SIBLINGS), to bitwise the tokens and log-probs
+    # of the matmuls apart.
+    if mode != "fp32" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("the CPU has no native bf16: bf16 matmuls stay with F.linear")
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16 if mode == "bf16" else torch.float32)
+    eng = TransformersEngine(model, [tok.eos_token_id], tok.pad_token_id)
+    monkeypatch.setattr(linears, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(engine_module, "PACK_MIN_TOKENS", 0)
+    prompts, seeds = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3, list(range(6))
+
+    def generate():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"), torch.profiler.profile() as prof:
+            out = eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0.8), seeds)
+        return out, sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+
+    stacked, matmuls = generate()
+    monkeypatch.setattr(linears, "SIBLINGS", ())
+    apart, matmuls_apart = generate()
+    layers = model.config.num_hidden_layers
+    assert matmuls * (7 * layers + 1) == matmuls_apart * (4 * layers + 1)  # a forward's 7 matmuls a layer, and the output layer's, are 4 and 1
+    assert len({tuple(o.token_ids) for o in apart}) == len(apart)
+    for a, b in zip(stacked, apart):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
 
 def test_an_engine_that_keeps_its_packed_weights_packs_once_per_version_and_generates_the_same(engine, tiny_model, monkeypatch):
     # The rollout server's engine (keep_packed): its weights are packed by the first call and
