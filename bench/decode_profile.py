@@ -86,7 +86,7 @@ def classify(event, classes) -> tuple[str, int]:
         return cls, weight[0] * weight[1] if len(weight) == 2 else 0
     if "attention" in name or "sdpa" in name or "softmax" in name and "log" not in name:
         return "attention", 0
-    if any(k in name for k in ("multinomial", "exponential", "log_softmax", "argmax", "sort", "topk", "gather", "cumsum", "isin", "where")):
+    if any(k in name for k in ("multinomial", "exponential", "uniform", "log1p", "neg_", "log_softmax", "argmax", "sort", "topk", "gather", "cumsum", "isin", "where")):
         return "sampling", 0
     if any(k in name for k in ("::to", "_to_copy", "copy_", "cat", "index", "clone", "contiguous")):
         return "casts, copies, cache", 0
