@@ -179,8 +179,9 @@ def report(length: int, dtype: str, results: dict, params: int, peak: float, byt
         if "failed" in r:
             print(f"{config:<16} {r['peak_rss_gb']:>12.1f} failed: {r['failed'].strip().splitlines()[-1]}")
             continue
+        vs_trl = f"{r['tokens_per_s'] / trl:.2f}x" if trl else "-"  # no TRL run to compare with
         line = (f"{config:<16} {r[memory]:>12.1f} {r[memory] / floor:>6.2f}x {r['server_rss_gb'] or 0:>9.1f} "
-                f"{r['step_s']:>7.1f} {r['tokens_per_s']:>8.1f} {(r['tokens_per_s'] / trl if trl else float('nan')):>6.2f}x")  # fmt: skip
+                f"{r['step_s']:>7.1f} {r['tokens_per_s']:>8.1f} {vs_trl:>7}")  # fmt: skip
         if config != "trl":
             tokens = r["completion_tokens"]
             gen = 2 * params * tokens / r["generate"] / peak
