@@ -294,7 +294,6 @@ def test_sibling_projections_decode_as_one_matmul_to_the_same_tokens(tiny_model,
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
-
 def test_an_engine_that_keeps_its_packed_weights_packs_once_per_version_and_generates_the_same(engine, tiny_model, monkeypatch):
     # The rollout server's engine (keep_packed): its weights are packed by the first call and
     # kept for the next ones, until new weights load; what it generates is a per-call engine's.
