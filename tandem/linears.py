@@ -118,9 +118,11 @@ def _siblings(module: nn.Module, names: tuple[str, ...], bf16: bool) -> _Sibling
     layers = [getattr(module, name, None) for name in names]
     if not all(plain_linear(layer) for layer in layers):
         return None
-    first = layers[0].weight
-    alike = all(lin.in_features == layers[0].in_features and lin.weight.dtype == first.dtype and (lin.bias is None) == (layers[0].bias is None) for lin in layers)
-    return _Siblings(layers, bf16) if alike and _large(first, bf16, sum(lin.weight.numel() for lin in layers)) else None
+    first = layers[0]
+    if not all(lin.in_features == first.in_features and lin.weight.dtype == first.weight.dtype and (lin.bias is None) == (first.bias is None) for lin in layers):
+        return None
+    s = _Siblings(layers, bf16)
+    return s if _large(first.weight, bf16, s.elements) else None
 
 
 class LayerLinears:
