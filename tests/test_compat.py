@@ -191,6 +191,31 @@ def test_options_read_with_another_see_it_whichever_layer_gave_it(tmp_path):
     assert _config("--rollout_server_urls", "http://b:2", config_file=path).rollout_server_urls == ["http://b:2"]
 
 
+def test_a_later_layer_overrides_only_what_it_sets_and_the_files_own_values_are_checked(tmp_path):
+    path = tmp_path / "trl.yaml"
+    # --temperature overrides one of the three options generation_kwargs sets: the other two stay
+    path.write_text("generation_kwargs: {temperature: 0.9, top_k: 20, max_tokens: 256}\n")
+    cfg = _config("--temperature", "0.7", config_file=path)
+    assert (cfg.temperature, cfg.top_k, cfg.max_completion_length) == (0.7, 20, 256)
+    assert any("top_k set as tandem's options; temperature given again later" in n for n in cfg.notes), cfg.notes
+    # TRL's correction switched on again on the command line overrides the file's none
+    path.write_text("off_policy_correction: none\n")
+    assert _config("--vllm_importance_sampling_correction", "true", config_file=path).off_policy_correction == "sequence_mask"
+    path.write_text("vllm_importance_sampling_mode: token_mask\nvllm_importance_sampling_correction: true\n")
+    assert _config(config_file=path).off_policy_correction == "token_mask"
+    # a bad value the command line overrides is still refused, naming the file
+    path.write_text("max_steps: five\n")
+    with pytest.raises(ConfigError, match=f"max_steps='five': expected int \\(in {path}\\)"):
+        _config("--max_steps", "2", config_file=path)
+    # TRL evaluates nothing under eval_strategy no; a later eval_dataset asks for it, one beside it contradicts it
+    path.write_text("eval_strategy: 'no'\n")
+    assert _config("--eval_dataset", "x.jsonl", config_file=path).eval_dataset == "x.jsonl"
+    assert _config("--eval_strategy", "no", "--eval_steps", "0").eval_dataset is None
+    path.write_text("eval_strategy: 'no'\neval_dataset: x.jsonl\n")
+    with pytest.raises(ConfigError, match="eval_dataset is given twice .* as eval_strategy='no' \\(which sets it to None\\)"):
+        _config(config_file=path)
+
+
 def test_a_grpo_config_dumped_by_trl_runs_as_it_is(tmp_path):
     # tests/trl_grpo_config_dump.yaml: `yaml.safe_dump(GRPOConfig(output_dir="runs/trl", bf16=False).to_dict())`
     # with trl 1.16.0 and transformers 5.23.0: every option of GRPOConfig and TrainingArguments,

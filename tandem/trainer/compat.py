@@ -122,6 +122,15 @@ def _generation_kwargs(value, given: dict) -> tuple[dict, str | None]:
     return out, f"generation_kwargs: {sorted(out)} set as tandem's options" if out else None
 
 
+def _importance_sampling_correction(value, given: dict) -> tuple[dict, str | None]:
+    """false: no correction. true: a correction, so that it overrides an earlier none: the mode
+    given with it (TRL's vllm_importance_sampling_mode, or tandem's own name), else TRL's default."""
+    if not _bool(value):
+        return {"off_policy_correction": "none"}, None
+    mode = given.get("vllm_importance_sampling_mode", given.get("off_policy_correction"))
+    return {"off_policy_correction": "sequence_mask" if mode in (None, "none") else mode}, None
+
+
 def _scale_rewards(value, given: dict) -> tuple[dict, str | None]:
     """TRL took true/false before group/batch/none: true is group, false none."""
     if isinstance(value, bool) or str(value).lower() in ("true", "false"):
@@ -151,7 +160,10 @@ def _save_strategy(value, given: dict) -> tuple[dict, str | None]:
 
 
 def _eval_strategy(value, given: dict) -> tuple[dict, str | None]:
-    if value in ("no", "steps"):
+    """TRL does not evaluate under eval_strategy no, whatever eval_dataset is given."""
+    if value in ("no", "IntervalStrategy.NO"):
+        return {"eval_dataset": None}, None
+    if value in ("steps", "IntervalStrategy.STEPS"):
         return {}, None
     raise Refused(f"eval_strategy={value!r}: tandem evaluates every eval_steps steps with an eval_dataset (eval_strategy steps)")
 
@@ -236,7 +248,8 @@ OPTIONS: dict[str, Option] = {
     "entropy_coef_delta": Option(SAME, "adaptive entropy bonus"),
     "entropy_target": Option(SAME, "adaptive entropy bonus"),
     "max_tool_calling_iterations": Option(SAME, "most tool-calling turns per trajectory"),
-    "vllm_importance_sampling_correction": Option(MAPPED, "false: `off_policy_correction none`", lambda v, _: ({} if _bool(v) else {"off_policy_correction": "none"}, None)),
+    "vllm_importance_sampling_correction": Option(MAPPED, "false: `off_policy_correction none`; true: the mode given (`vllm_importance_sampling_mode`), else sequence_mask",
+                                                  _importance_sampling_correction),
     "vllm_importance_sampling_mode": rename("off_policy_correction"),
     "vllm_importance_sampling_clip_max": rename("importance_sampling_cap"),
     "vllm_importance_sampling_clip_min": rename("importance_sampling_clip_min"),
@@ -279,7 +292,7 @@ OPTIONS: dict[str, Option] = {
     "save_strategy": Option(MAPPED, "steps accepted; no: save_steps 0", _save_strategy),
     "save_total_limit": Option(SAME, "newest checkpoints kept"),
     "save_only_model": refuse_if_given("a tandem checkpoint always holds what an exact resume needs"),
-    "eval_strategy": Option(MAPPED, "no and steps accepted (evaluation needs an eval_dataset)", _eval_strategy),
+    "eval_strategy": Option(MAPPED, "steps: every eval_steps steps with an eval_dataset; no: no evaluation (eval_dataset none)", _eval_strategy),
     "eval_steps": Option(SAME, "steps between evaluations"),
     "per_device_eval_batch_size": inert(lambda v: True, "evaluation generates all its completions as one batch", ""),
     "gradient_checkpointing": Option(SAME, "activation checkpointing of each decoder layer; TRL's default is true, tandem's decides by the model's shape and the memory (true or false forces it)"),
@@ -344,14 +357,16 @@ def resolve(layers: list[tuple[dict, str]], fields: set[str]) -> Resolved:
         for key, value in values.items():
             merged[key], where[key] = value, (layer, place)
     sets = {key: _sets(key, value, merged, fields) for key, value in merged.items()}
-    overridden = {key for key in merged for other in merged
-                  if where[other][0] > where[key][0] and _resolver(other) is not _resolver(key) and sets[key] & sets[other]}  # fmt: skip
+    # key -> the tandem options it sets that a later layer sets too, under another name: those
+    # alone are overridden (a YAML generation_kwargs keeps its top_k under --temperature)
+    overridden = {key: {name for other in merged if where[other][0] > where[key][0] and _resolver(other) is not _resolver(key)
+                        for name in sets[key] & sets[other]} for key in merged}  # fmt: skip
     out: dict = {}
     given_as: dict[str, str] = {}
     notes: list[str] = []
     for key, value in merged.items():
         option = OPTIONS.get(key)
-        if key in overridden or (is_null(value) and key in TRL_NULL_DEFAULTS and key not in fields):
+        if (overridden[key] and overridden[key] == sets[key]) or (is_null(value) and key in TRL_NULL_DEFAULTS and key not in fields):
             continue
         if option is None or option.resolve is None:
             if key not in fields:
@@ -362,9 +377,13 @@ def resolve(layers: list[tuple[dict, str]], fields: set[str]) -> Resolved:
                 resolved, note = option.resolve(value, merged)
             except Refused as exc:
                 raise Refused(f"{key}={value!r} {where[key][1]}: {exc}") from None
+        if overridden[key]:
+            resolved = {name: v for name, v in resolved.items() if name not in overridden[key]}
+            note = f"{', '.join(sorted(resolved))} set as tandem's options; {', '.join(sorted(overridden[key]))} given again later, which wins"
         for name, v in resolved.items():
             if name in out and given_as[name] != key and out[name] != v:
-                raise Refused(f"{name} is given twice {where[key][1]}, as {given_as[name]!r} and as {key!r}; keep one")
+                raise Refused(f"{name} is given twice {where[key][1]}, as {given_as[name]}={merged[given_as[name]]!r} (which sets it to "
+                              f"{out[name]!r}) and as {key}={value!r} (to {v!r}); keep one")
             out[name], given_as[name] = v, key
         if note:
             notes.append(f"{key}: {note}")

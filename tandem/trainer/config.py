@@ -744,6 +744,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     layers, notes = [], []
     if getattr(args, "config", None):
         values, notes = read_file(args.config)
+        # Each of the file's own values is checked, also one the command line overrides: a typo
+        # there would fail the next run that drops the override
+        try:
+            own = {k: v for k, v in values.items() if k in _fields() and getattr(compat.OPTIONS.get(k), "resolve", None) is None}
+            _typed(compat.Resolved(own, [], {}))
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (in {args.config})") from None
         layers.append((values, f"in {args.config}"))
     given = {k: v for k, v in vars(args).items() if k in _fields()}
     given |= {k: v[0] if len(v) == 1 else v for k, v in vars(args).items() if k in compat.OPTIONS and k not in _fields()}
