@@ -11,6 +11,7 @@ import json
 import math
 import os
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,6 +209,9 @@ class TrainConfig:
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        urls = [self.rollout_server_urls] if isinstance(self.rollout_server_urls, str) else self.rollout_server_urls
+        # one comma-separated string too, as URLs are written in environment variables
+        self.rollout_server_urls = [u.strip() for url in urls for u in str(url).split(",") if u.strip()]
 
     def _steps_from_generation_batch_size(self) -> None:
         """TRL's generation_batch_size counts a round's completions over every process (WORLD_SIZE,
@@ -348,6 +352,9 @@ class TrainConfig:
         need(bool(self.dataset_name), "dataset_name", "give a prompt file (.jsonl/.json/.parquet/.csv) or a dataset name")
         need(self.rollout_mode in ROLLOUT_MODES, "rollout_mode", f"must be one of {ROLLOUT_MODES}")
         need(not (self.rollout_mode == "server" and not self.rollout_server_urls), "rollout_server_urls", "give at least one server URL in server mode")
+        for url in self.rollout_server_urls if self.rollout_mode == "server" else ():
+            problem = url_problem(url)
+            need(problem is None, "rollout_server_urls", f"{url!r} {problem}: give each as http://HOST:PORT (several apart, or separated by commas)")
         need(self.rollout_server_timeout > 0, "rollout_server_timeout", "must be > 0 seconds")
         need(self.rollout_balance in BALANCES, "rollout_balance", f"must be one of {tuple(BALANCES)}")
         need(self.rollout_replica_timeout > 0, "rollout_replica_timeout", "must be > 0 seconds")
@@ -556,6 +563,21 @@ class TrainConfig:
             return read_api_key(self.rollout_api_key, self.rollout_api_key_file, "rollout_api_key_file")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a rollout server's URL, or None: a scheme of http or https, a host, a
+    port that is a number."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return f"has {'no scheme' if not parts.scheme or '://' not in url else f'the scheme {parts.scheme!r}'}"
+    if not parts.hostname:
+        return "has no host"
+    try:
+        parts.port
+    except ValueError:
+        return f"has a port that is not a number from 0 to 65535 ({parts.netloc.rpartition(':')[2]!r})"
+    return None
 
 
 class ConfigError(ValueError):
