@@ -241,7 +241,7 @@ def test_an_environment_run_without_reward_funcs_is_told_to_give_environment():
 def test_rollout_server_urls_take_commas_and_each_is_checked_at_start():
     # one string of several, as environment variables hold them
     assert _config("--rollout_mode", "server", "--rollout_server_urls", "http://a:1,http://b:2").rollout_server_urls == ["http://a:1", "http://b:2"]
-    for url, problem in [("localhost:8000", "has no scheme"), ("http://a:port", "has a port that is not a number"), ("ftp://a:1", "the scheme 'ftp'"),
+    for url, problem in [("localhost:8000", "has no scheme"), ("http://a:port", "has a port that is not a number"), ("ftp://a:1", "has the scheme 'ftp'"),
                          ("http://:80", "has no host")]:  # fmt: skip
         with pytest.raises(ConfigError, match=f"rollout_server_urls=.*'{re.escape(url)}' {problem}.*give each as http://HOST:PORT"):
             _config("--rollout_mode", "server", "--rollout_server_urls", "http://ok:1", url)
