@@ -91,6 +91,9 @@ class Timed:
         while sum(counts) > n:  # one row less where the predicted step is longest
             i = max((i for i in range(len(urls)) if counts[i]), key=lambda i: model[i][0] + model[i][1] * counts[i])
             counts[i] -= 1
+        while sum(counts) < n:  # rows the bisection's rounding left out (steps flat in their rows): where the step stays shortest
+            i = min(range(len(urls)), key=lambda i: model[i][0] + model[i][1] * (counts[i] + 1))
+            counts[i] += 1
         for url, count in zip(urls, counts):
             self.idle[url] = 0 if count else self.idle.get(url, 0) + 1
             if self.idle[url] >= self.wait.setdefault(url, 4):  # tried again at the next call, as the mean
@@ -144,10 +147,11 @@ class Fleet:
         """`indices` (of `prompts`) shared among the replicas up: each replica's share by the
         balance, filled first with the sequences whose prefix it holds (the longest prompt it
         served that the sequence begins with), then in order."""
-        urls = self.up()
-        if len(urls) <= 1:
-            return [(url, list(indices)) for url in urls]
-        quota = dict(zip(urls, self.balance.shares(len(indices), urls)))
+        with self._changed:  # served() changes the balance's measurements from the replicas' threads
+            urls = [u for u in self.urls if u not in self.down]
+            if len(urls) <= 1:
+                return [(url, list(indices)) for url in urls]
+            quota = dict(zip(urls, self.balance.shares(len(indices), urls)))
         parts: dict[str, list[int]] = {u: [] for u in urls}
         rest = []
         for i in indices:
