@@ -360,6 +360,111 @@ def test_an_answer_cut_off_midway_is_retried_then_reported_naming_the_server():
     assert len(answered) >= 2  # retried, not raised at the first cut
 
 
+class FakeServer:
+    """A fake at the network boundary: an HTTP server on a loopback port that answers as `answer`
+    says, `answer(method, path, body) -> (status, bytes)`, or as the real server at `forward` does."""
+
+    def __init__(self, answer, forward: str | None = None):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, method):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, data = fake.answer(method, self.path, body)
+                if status is None:  # as the real server answers
+                    headers = {k: v for k, v in self.headers.items() if k in ("Authorization", "Content-Type")}
+                    r = requests.request(method, fake.forward + self.path, data=body, headers=headers, timeout=60)
+                    status, data = r.status_code, r.content
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._reply("GET")
+
+            def do_POST(self):
+                self._reply("POST")
+
+        self.answer, self.forward = answer, forward
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+HEALTH = {"status": "ready", "instance_id": "f" * 32, "version": 3}
+INFO = {"dtype": "float32", "vocab_size": 259, "host_id": "elsewhere", "model": "tiny", "engine": "fake"}
+GOOD = {"token_ids": [5, 6], "logprobs": [-0.5, -1.0], "finish_reason": "length", "version": 3}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("completion, message", [
+    ({"version": 2}, "made by version 2, outside \\[3, 4\\]"),
+    ({"version": 10**6}, "made by version 1000000, outside \\[3, 4\\]"),
+    ({"logprobs": [-0.5, float("nan")]}, "log-probs for 2 tokens are not each finite and <= 0"),
+    ({"logprobs": [-0.5, 0.25]}, "log-probs for 2 tokens are not each finite and <= 0"),
+    ({"logprobs": [-0.5]}, "whose 1 log-probs for 2 tokens"),
+    ({"token_ids": [], "logprobs": []}, "of 0 tokens finished by 'length'"),
+    ({"token_ids": [5, 10**6]}, "a token id outside \\[0, 259\\)"),
+    ({"token_ids": [5, -1]}, "a token id outside \\[0, 259\\)"),
+    ({"finish_reason": "eos"}, "finished by 'eos'"),
+    ({"token_ids": None}, "malformed \\(TypeError"),
+])  # fmt: skip
+def test_a_servers_completions_are_checked_before_anything_trains_on_them(completion, message):
+    answers = [GOOD, {**GOOD, **completion}]
+
+    def answer(method, path, body):
+        if path == "/generate":
+            return 200, json.dumps({"completions": [answers.pop(0)]}).encode()
+        return 200, json.dumps(HEALTH if path == "/health" else INFO).encode()
+
+    fake = FakeServer(answer)
+    client = RolloutClient([fake.url], server_timeout=5)
+    try:
+        client.wait_until_ready()
+        assert client.generate([PROMPT], SamplingParams(max_tokens=2), [7], min_version=3, max_version=4)[0].token_ids == [5, 6]
+        with pytest.raises(RolloutServerError, match=f"rollout server {fake.url} answered a generate request with completion 0 of 1 .*{message}"):
+            client.generate([PROMPT], SamplingParams(max_tokens=2), [7], min_version=3, max_version=4)
+    finally:
+        client.close()
+        fake.close()
+
+
+@pytest.mark.quick
+def test_a_replica_that_answers_junk_is_taken_out_of_the_fleet_and_alone_fails_the_call_naming_it(server):
+    # A proxy to the real server until its port is "taken by another program", which answers
+    # 200 with a page that is not JSON: a replica that is no longer a rollout server.
+    junk = threading.Event()
+    fake = FakeServer(lambda method, path, body: (200, b"<html>it works</html>") if junk.is_set() else (None, b""), forward=server.url)
+    prompts, seeds = [PROMPT] * 6, list(range(6))
+    fleet = RolloutClient([server.url, fake.url], api_key=KEY, server_timeout=10, replica_timeout=30)
+    alone = RolloutClient([fake.url], api_key=KEY, server_timeout=2)
+    try:
+        fleet.wait_until_ready()
+        fleet.watch(interval=0.2)
+        before = fleet.generate(prompts, SamplingParams(max_tokens=4), seeds)
+        assert len(fleet.fleet.homes) == 1  # both served one prompt: it lives on the one that served it last
+        junk.set()
+        after = fleet.generate(prompts, SamplingParams(max_tokens=4), seeds)
+        assert [c.token_ids for c in after] == [c.token_ids for c in before]  # the same tokens, from the real server
+        assert fleet.fleet.up() == [server.url] and "not a rollout server" in fleet.fleet.down[fake.url].why
+        with pytest.raises(RolloutServerError, match=f"rollout server {fake.url} did not answer a health check.*not a JSON object"):
+            alone.wait_until_ready()
+    finally:
+        fleet.close()
+        alone.close()
+        fake.close()
+
+
 def shifted_weights(tiny_model, shift: float) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach() + shift) for n, p in AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters()]
 

@@ -14,7 +14,7 @@ import torch
 
 from tandem.aio import in_thread
 from tandem.rollout.fleet import BALANCES, Fleet
-from tandem.rollout.types import Completion, SamplingParams
+from tandem.rollout.types import FINISH_REASONS, Completion, SamplingParams
 from tandem.rollout.transports import TRANSPORTS, Push
 from tandem.rollout.weights import StagedWeights, buckets, compress_delta, cuda_device_id, fingerprint, host_id, shm_available, xor_bits
 
@@ -31,6 +31,10 @@ class RolloutServerError(RuntimeError):
     def __init__(self, message: str, unreachable: bool = False, status: int | None = None):
         super().__init__(message)
         self.unreachable, self.status = unreachable, status
+
+
+class _NotAServer(Exception):
+    """An answer that is no rollout server's: a body that is not a JSON object."""
 
 
 class _Restarted(Exception):
@@ -101,6 +105,7 @@ class RolloutClient:
         self._fleet_lock = threading.Lock()  # a push's replicas and a put-back replica's resync: one sees the other
         self._watching = False
         self._dtypes: dict[str, str] = {}  # url -> the dtype its engine holds weights in (/info)
+        self._vocab: dict[str, int] = {}  # url -> its model's vocabulary size (/info): the token ids it may answer
         self._sent: list[int] = []  # bytes each request of the last push_weights sent (push_bytes)
         self._local = threading.local()  # one requests.Session per thread: Session is not thread-safe
         self._places: dict[str, tuple[bool, str | None]] = {}  # url -> (on this host, its GPU's id) from /info
@@ -142,16 +147,20 @@ class RolloutClient:
             try:
                 r = self.session.request(method, url + path, headers=headers, timeout=self.timeout, **kw)
                 if r.status_code < 400:
-                    return r.json()
+                    if (body := _json_object(r)) is not None:
+                        return body
+                    # Another program on its port (a dead replica's port taken), or a proxy's page:
+                    # retried as a server that does not answer, which takes it out of a fleet.
+                    raise _NotAServer(f"HTTP {r.status_code} with a body that is not a JSON object ({r.text[:80]!r}): not a rollout server")
                 message = _error_text(r)
                 if r.status_code not in RETRY_STATUS:
                     # A new process refuses what the old one had (an update id, the next version).
                     self._check_restart(url, instance, time.monotonic() - start)
                     raise RolloutServerError(f"rollout server {url} refused {what} ({method} {path}): HTTP {r.status_code}: {message}", status=r.status_code)
                 last = f"HTTP {r.status_code}: {message}"
-            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as exc:
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError, _NotAServer) as exc:
                 # ChunkedEncodingError: the answer was cut off (the server died while sending it)
-                last = f"{type(exc).__name__}: {exc}"
+                last = str(exc) if isinstance(exc, _NotAServer) else f"{type(exc).__name__}: {exc}"
             if time.monotonic() + delay > deadline:
                 raise RolloutServerError(
                     f"rollout server {url} did not answer {what} ({method} {path}) within rollout_server_timeout="
@@ -167,9 +176,11 @@ class RolloutClient:
         if instance is None:
             return False  # not synced yet: nothing to lose
         try:
-            health = self.session.get(url + "/health", timeout=self.timeout).json()
-        except (requests.RequestException, ValueError):
+            health = _json_object(self.session.get(url + "/health", timeout=self.timeout))
+        except requests.RequestException:
             return False  # still down
+        if health is None:
+            return False  # not a rollout server (yet): still down
         if health.get("instance_id") != instance:  # still loading or ready: either way it lost our weights and updates
             raise _Restarted(url, down_seconds)
         return True
@@ -248,9 +259,7 @@ class RolloutClient:
                 status = self._call("GET", url, "/health", "a health check")
                 if status["status"] == "ready":
                     self._instances[url] = status["instance_id"]
-                    info = self._call("GET", url, "/info", "an info request")
-                    self._dtypes[url] = info["dtype"]
-                    return info
+                    return self._read_info(url)
                 if time.monotonic() > deadline:
                     raise RolloutServerError(f"rollout server {url} was still loading its model after rollout_server_timeout={self.server_timeout}s")
                 time.sleep(0.5)
@@ -258,10 +267,12 @@ class RolloutClient:
         return self._each(one, self.urls)
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0, version_timeout: float = 0.0
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0, version_timeout: float = 0.0,
+        max_version: int | None = None,
     ) -> list[Completion]:
         """One completion per prompt (with its seed), the prompts shared among the servers up; a
-        part whose server goes down is generated again by the others."""
+        part whose server goes down is generated again by the others. Every answer is checked
+        (check_completions); `max_version`: the newest version a server may hold (the trainer's)."""
         self._need_version = max(self._need_version, min_version)
         out: list[Completion | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
@@ -273,7 +284,8 @@ class RolloutClient:
             if not plan:  # the last replica went down since: wait for one again
                 continue
             todo = []
-            for (url, part), got in zip(plan, self._each_replica(lambda p: self._generate_part(p[0], p[1], prompts, params, seeds, min_version, version_timeout), plan)):
+            versions = (min_version, max_version)
+            for (url, part), got in zip(plan, self._each_replica(lambda p: self._generate_part(p[0], p[1], prompts, params, seeds, versions, version_timeout), plan)):
                 if got is None:
                     self.fleet.events["reissued"] += len(part)
                     todo += part
@@ -281,13 +293,14 @@ class RolloutClient:
                     out[i] = c
         return out
 
-    def _generate_part(self, url: str, part: list[int], prompts, params: SamplingParams, seeds, min_version: int, version_timeout: float) -> list[Completion]:
+    def _generate_part(self, url: str, part: list[int], prompts, params: SamplingParams, seeds, versions: tuple[int, int | None],
+                       version_timeout: float) -> list[Completion]:  # fmt: skip
         body = {
             "prompts": [prompts[i] for i in part],
             "n": 1,
             "sampling": params.to_dict(),
             "seeds": [seeds[i] for i in part],
-            "min_version": min_version,
+            "min_version": versions[0],
             "version_timeout": version_timeout,
         }
 
@@ -301,11 +314,9 @@ class RolloutClient:
             return self._call("POST", url, "/generate", "a generate request", json={**body, "instance_id": self._instances.get(url)})
 
         start = time.monotonic()
-        out = self._retrying(request)["completions"]
-        if len(out) != len(part):
-            raise RolloutServerError(f"rollout server {url} returned {len(out)} completions for {len(part)} prompts")
-        self.fleet.served(url, body["prompts"], max(len(c["token_ids"]) for c in out), time.monotonic() - start)
-        return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], c["version"]) for c in out]
+        out = check_completions(url, self._retrying(request).get("completions"), len(part), versions, self._vocab.get(url), params.max_tokens)
+        self.fleet.served(url, body["prompts"], max(len(c.token_ids) for c in out), time.monotonic() - start)
+        return out
 
     def push_weights(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False, adapter: bool = False) -> list[int]:
         """Send every weight to every server as one atomic update that makes `version` live;
@@ -355,12 +366,25 @@ class RolloutClient:
         """What the last push_weights sent, all servers together."""
         return sum(self._sent)
 
+    def _read_info(self, url: str, instance: str | None = None) -> dict:
+        """A server's /info: what its process holds and where it runs (its dtype, vocabulary,
+        host and GPU), read at the start and again after every restart (it may come back with
+        another --dtype)."""
+        info = self._call("GET", url, "/info", "an info request", instance)
+        try:
+            self._dtypes[url], self._vocab[url] = str(info["dtype"]), int(info["vocab_size"])
+            self._places[url] = (info["host_id"] == host_id(), info.get("cuda_device"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RolloutServerError(f"rollout server {url} answered /info without its dtype, vocab_size and host_id ({type(exc).__name__}: {exc}); "
+                                     "is `tandem rollout` of this tandem version serving there?") from None  # fmt: skip
+        return info
+
     def _servers_dtype(self, required: bool) -> torch.dtype | None:
         """The one dtype every server holds weights in, or None where they hold several (an
         error where `required`: a delta's bits are of one dtype)."""
         for url in self.urls:
             if url not in self._dtypes:
-                self._dtypes[url] = self._call("GET", url, "/info", "an info request")["dtype"]
+                self._read_info(url)
         dtypes = sorted(set(self._dtypes.values()))
         if len(dtypes) > 1 and required:
             raise ValueError(f"delta_weight_updates needs rollout servers of one dtype, these hold {dtypes}: start them with one --dtype, or turn it off")
@@ -477,8 +501,7 @@ class RolloutClient:
         if self.transport != "auto":
             return self.transport
         if url not in self._places:
-            info = self._call("GET", url, "/info", "an info request")
-            self._places[url] = (info["host_id"] == host_id(), info.get("cuda_device"))
+            self._read_info(url)
         here, gpu = self._places[url]
         if here and gpu is not None and gpu == cuda_device_id(device):
             return "cuda_ipc"
@@ -507,11 +530,15 @@ class RolloutClient:
         seen = time.monotonic()  # when its process last answered
         while not self._closed.wait(interval):
             try:
-                health = self.session.get(url + "/health", timeout=(self.timeout[0], self.replica_timeout)).json()
-            except (requests.RequestException, ValueError) as exc:
+                health = _json_object(self.session.get(url + "/health", timeout=(self.timeout[0], self.replica_timeout)))
+            except requests.RequestException as exc:
                 refused = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.ConnectTimeout)
                 if len(self.urls) > 1 and (refused or time.monotonic() - seen > self.replica_timeout):
                     self.fleet.mark_down(url, f"{'refused connections' if refused else 'health checks unanswered'}: {type(exc).__name__}")
+                continue
+            if health is None or "instance_id" not in health:  # another program answers on its port
+                if len(self.urls) > 1:
+                    self.fleet.mark_down(url, "its health check is answered by something that is not a rollout server")
                 continue
             down, seen = time.monotonic() - seen, time.monotonic()
             try:
@@ -589,15 +616,53 @@ class _Delta:
             return self._fingerprint
 
 
+def check_completions(url: str, answer, n: int, versions: tuple[int, int | None], vocab: int | None, max_tokens: int) -> list[Completion]:
+    """A server's completions for `n` prompts, each checked before anything trains on it: made by
+    a version in [min_version, max_version], of 1 to max_tokens token ids in the vocabulary (none
+    only where generation failed), each with a finite log-prob <= 0. A RolloutServerError names
+    the server and the first thing wrong."""
+    low, high = versions
+
+    def bad(what: str):
+        raise RolloutServerError(f"rollout server {url} answered a generate request with {what}; nothing of it is trained. Is `tandem rollout` "
+                                 "of this tandem version serving there?")  # fmt: skip
+
+    if not isinstance(answer, list) or len(answer) != n:
+        bad(f"{len(answer) if isinstance(answer, list) else 'no list of'} completions for {n} prompts")
+    out = []
+    for i, c in enumerate(answer):
+        try:
+            ids, logprobs, finish, version = list(c["token_ids"]), [float(x) for x in c["logprobs"]], c["finish_reason"], c["version"]
+        except (TypeError, KeyError, ValueError) as exc:
+            bad(f"completion {i} of {n} malformed ({type(exc).__name__}: {exc})")
+        if not isinstance(version, int) or version < low or (high is not None and version > high):
+            bad(f"completion {i} of {n} made by version {version!r}, outside [{low}, {'any' if high is None else high}] (the trainer's weights)")
+        if finish not in FINISH_REASONS or (not ids and finish != "error") or len(ids) > max_tokens:
+            bad(f"completion {i} of {n} of {len(ids)} tokens finished by {finish!r} (max_tokens {max_tokens}, finish one of {FINISH_REASONS})")
+        if not all(isinstance(t, int) and 0 <= t < (vocab or math.inf) for t in ids):
+            bad(f"completion {i} of {n} holding a token id outside [0, {vocab}) (the model's vocabulary)")
+        if len(logprobs) != len(ids) or not all(math.isfinite(x) and x <= 0.0 for x in logprobs):
+            bad(f"completion {i} of {n} whose {len(logprobs)} log-probs for {len(ids)} tokens are not each finite and <= 0")
+        out.append(Completion(ids, logprobs, finish, version))
+    return out
+
+
 def _unreachable(exc: BaseException) -> bool:
     return isinstance(exc, RolloutServerError) and exc.unreachable
 
 
-def _error_text(r: requests.Response) -> str:
+def _json_object(r: requests.Response) -> dict | None:
+    """The answer's body as a JSON object, or None where it is not one."""
     try:
-        return r.json().get("error", r.text)
+        body = r.json()
     except ValueError:
-        return r.text[:500]
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _error_text(r: requests.Response) -> str:
+    body = _json_object(r)
+    return str(body.get("error", r.text[:500])) if body is not None else r.text[:500]
 
 
 class RemoteEngine:
@@ -608,7 +673,7 @@ class RemoteEngine:
         self.version = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], min_version: int = 0) -> list[Completion]:
-        return self.client.generate(prompts, params, seeds, min_version=min_version, version_timeout=self.client.server_timeout)
+        return self.client.generate(prompts, params, seeds, min_version=min_version, version_timeout=self.client.server_timeout, max_version=self.version)
 
     def push(self, named: list[tuple[str, torch.Tensor]], version: int, force: bool = False, adapter: bool = False) -> None:
         self.client.push_weights(named, version, force, adapter)
