@@ -47,8 +47,12 @@ def abandon(output_dir: str | Path, step: int) -> None:
 
 
 def where_to_resume(output_dir: str | Path) -> str:
+    """What to do after a stop that kept only the checkpoints already written: resume from the
+    one `latest` names, or, with none, start again (a resume from none is refused)."""
     pointer = Path(output_dir) / LATEST
-    return f"latest still names {pointer.read_text().strip()}" if pointer.is_file() else "there is no earlier checkpoint"
+    if pointer.is_file():
+        return f"latest still names {pointer.read_text().strip()}: resume with --resume_from_checkpoint latest --output_dir {Path(output_dir)}"
+    return "there is no checkpoint yet: start the run again"
 
 
 def check_writable(output_dir: str | Path) -> None:
@@ -274,8 +278,7 @@ class Checkpointer:
         except (OSError, SafetensorError) as exc:
             abandon(self.out, state.step)
             raise CheckpointError(
-                f"could not write checkpoint-{state.step} in {self.out} ({type(exc).__name__}: {exc}); {where_to_resume(self.out)}. "
-                "Free some space there, then resume with --resume_from_checkpoint latest"
+                f"could not write checkpoint-{state.step} in {self.out} ({type(exc).__name__}: {exc}). Free some space there; {where_to_resume(self.out)}"
             ) from None
         except BaseException:
             abandon(self.out, state.step)  # whatever stopped it, no staging folder stays behind
@@ -290,49 +293,61 @@ class Checkpointer:
         tmp = staging_dir(self.out, state.step)
         # Rounds generated ahead (async) are saved, not regenerated: they were made with weights
         # this checkpoint does not hold. Every rank keeps the same number so the sampler agrees.
-        ahead = self.producer.pending()
+        ahead = self.producer.pending(state.version)
         ahead = ahead[: int(dist.gather_collective(torch.tensor([len(ahead)]), "rounds ahead").min())]
-        _torch_save(rng_state(), tmp / f"rng_state_{dist.rank}.pt")
-        (tmp / f"rounds_{dist.rank}.json").write_text(json.dumps([r.to_dict() for r in ahead]))
-        carried = self.producer.carried()  # partial rollouts: the sequences in flight, and the sampler past them
-        if carried is not None:
-            (tmp / f"in_flight_{dist.rank}.json").write_text(json.dumps(carried))
+        carried = self.producer.carried(state.version)  # partial rollouts: the sequences in flight, and the sampler past them
+        # A write that fails on one rank fails the save on every rank, after all of them tried
+        # theirs: none removes the staging folder while another still writes into it.
+        self._written_collective("checkpoint: every rank's part written", lambda: self._write_rank_part(tmp, ahead, carried))
         moving_ref = self.learner.ref_model.lm if self.learner.ref_sync.every else None  # sync_ref_model: the reference is state too
         if self.sharded:  # every rank writes its shards; rank 0 the model's config
             from tandem.trainer.sharding import save_checkpoint
 
             dist.enter("checkpoint: shards")
             save_checkpoint(lm, self.learner.optimizer.optimizer, tmp, moving_ref)
-        dist.barrier_collective("checkpoint: every rank's part written")
-        path = None
-        if dist.is_main:
-            if self.sharded:  # the weights are in sharded/: the model's config says what they fill
-                lm.config.save_pretrained(tmp)
-                lm.generation_config.save_pretrained(tmp)
-            else:
-                lm.save_pretrained(tmp)
-                _torch_save(self.learner.optimizer.state_dict(), tmp / "optimizer.pt")
-                if moving_ref is not None:
-                    save_model(moving_ref, str(tmp / REFERENCE))  # tied weights stored once
-            self.tokenizer.save_pretrained(tmp)
-            (tmp / "config.yaml").write_text(yaml.safe_dump(self.resolved_config, sort_keys=False))
-            saved = {
-                "global_step": state.step,
-                "skipped_steps": state.skipped_steps,
-                "policy_version": state.version,
-                "round": state.round,  # the next round to train
-                "rounds_ahead": len(ahead),
-                "world_size": dist.world,
-                "sharded": self.sharded,
-                "run_id": state.run_id,
-                "sampler": ahead[-1].sampler_state if ahead else state.sampler,  # where generation goes on
-                "entropy_bonus": self.learner.entropy.state_dict(),
-            }
-            (tmp / "trainer_state.json").write_text(json.dumps(saved, indent=1))
-            _torch_save(self.learner.scheduler.state_dict(), tmp / "scheduler.pt")
-            path = finish(self.out, state.step, self.save_total_limit)
-        dist.barrier_collective("checkpoint: done")
-        return path
+        return self._written_collective("checkpoint: done", lambda: self._write_main_part(tmp, state, ahead, moving_ref) if dist.is_main else None)
+
+    def _written_collective(self, what: str, write):
+        return self.dist.together_collective(write, what, (OSError, SafetensorError),
+                                             lambda: OSError("another training process could not write its part (its message says why)"))  # fmt: skip
+
+    def _write_rank_part(self, tmp: Path, ahead: list, carried: dict | None) -> None:
+        """This rank's files: its RNG state, the rounds it generated ahead, its sequences in flight."""
+        rank = self.dist.rank
+        _torch_save(rng_state(), tmp / f"rng_state_{rank}.pt")
+        (tmp / f"rounds_{rank}.json").write_text(json.dumps([r.to_dict() for r in ahead]))
+        if carried is not None:
+            (tmp / f"in_flight_{rank}.json").write_text(json.dumps(carried))
+
+    def _write_main_part(self, tmp: Path, state, ahead: list, moving_ref) -> Path:
+        """Rank 0's files: the weights (unless sharded), optimizer, schedule, the run's files and
+        TrainState; then the checkpoint is put in place and `latest` moved."""
+        lm = self.learner.lm
+        if self.sharded:  # the weights are in sharded/: the model's config says what they fill
+            lm.config.save_pretrained(tmp)
+            lm.generation_config.save_pretrained(tmp)
+        else:
+            lm.save_pretrained(tmp)
+            _torch_save(self.learner.optimizer.state_dict(), tmp / "optimizer.pt")
+            if moving_ref is not None:
+                save_model(moving_ref, str(tmp / REFERENCE))  # tied weights stored once
+        self.tokenizer.save_pretrained(tmp)
+        (tmp / "config.yaml").write_text(yaml.safe_dump(self.resolved_config, sort_keys=False))
+        saved = {
+            "global_step": state.step,
+            "skipped_steps": state.skipped_steps,
+            "policy_version": state.version,
+            "round": state.round,  # the next round to train
+            "rounds_ahead": len(ahead),
+            "world_size": self.dist.world,
+            "sharded": self.sharded,
+            "run_id": state.run_id,
+            "sampler": ahead[-1].sampler_state if ahead else state.sampler,  # where generation goes on
+            "entropy_bonus": self.learner.entropy.state_dict(),
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(saved, indent=1))
+        _torch_save(self.learner.scheduler.state_dict(), tmp / "scheduler.pt")
+        return finish(self.out, state.step, self.save_total_limit)
 
     def restore_rank(self, resume_dir: Path) -> tuple[list, dict | None]:
         """This rank's part of a checkpoint: its RNG state (set now), and for the producer the

@@ -10,10 +10,12 @@ a test can check that the ranks' sequences are the same.
 
 import os
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
 TRACE = "TANDEM_TRACE_COLLECTIVES"
+T = TypeVar("T")
 
 
 class Dist:
@@ -55,6 +57,30 @@ class Dist:
         t = torch.tensor([float(flag)], device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         return bool(t.item())
+
+    def together_collective(self, fn: Callable[[], T], what: str, errors: tuple[type[BaseException], ...], instead: Callable[[], BaseException]) -> T:
+        """fn() on every rank, then whether it raised one of `errors` on any (a collective in
+        itself, so a barrier too). If it did, every rank raises at this same point: its own error,
+        or instead() where fn went well here, each marked `every_rank`. So the processes stop
+        together, where they can still save or clean up together; one that went on alone would
+        wait in its next collective until ddp_timeout, and one that cleaned up alone (a staging
+        folder removed) would fail the others' writes with errors that name the wrong cause."""
+        error, result = None, None
+        try:
+            result = fn()
+        except errors as exc:
+            error = exc
+        self.enter(f"together: {what}")
+        failed = error is not None
+        if self.world > 1:
+            t = torch.tensor([float(failed)], device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            failed = bool(t.item())
+        if failed:
+            error = error or instead()
+            error.every_rank = True
+            raise error
+        return result
 
     def barrier_collective(self, what: str) -> None:
         self.enter(f"barrier {what}")

@@ -19,6 +19,7 @@ from tandem import rewards as rewards_lib
 from tandem.rollout.multiturn import Rollouts, SingleTurn
 from tandem.rollout.types import SamplingParams
 from tandem.trainer.producer import PromptTable, completion_seed, score_rollouts, table_prompts, to_rollout
+from tandem.trainer.stops import together_collective
 
 EVAL_ROUND = -2  # the seeds' round index: no training round has it
 
@@ -118,12 +119,14 @@ class Evaluator:
 
     def run_collective(self, version: int) -> dict | None:
         """The eval/* metrics on rank 0 (None elsewhere); every rank waits for them."""
-        results = None
-        if self.dist.is_main or self.every_rank:
+        def run() -> dict | None:
+            if not (self.dist.is_main or self.every_rank):
+                return None
             if self.every_rank:
                 self.dist.enter("evaluation (sharded engine)")
             with self.dist.accelerator.autocast():
-                results = evaluate(self.engine, self.tokenizer, self.table, self.reward_fns, self.params, self.num_generations, self.greedy,
-                                   self.seed, self.pass_threshold, min_version=version, rollouts=self.rollouts)  # fmt: skip
-        self.dist.barrier_collective("evaluation done")
+                return evaluate(self.engine, self.tokenizer, self.table, self.reward_fns, self.params, self.num_generations, self.greedy,
+                                self.seed, self.pass_threshold, min_version=version, rollouts=self.rollouts)  # fmt: skip
+
+        results = together_collective(self.dist, "evaluation", run)  # a server that fails rank 0's stops every rank
         return results if self.dist.is_main else None

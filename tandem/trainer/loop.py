@@ -21,15 +21,14 @@ import torch
 
 from tandem import rewards as rewards_lib
 from tandem.algo import Normalisation, group_advantages, step_token_normalizers
-from tandem.rollout.client import RolloutServerError
 from tandem.rollout.types import Rollout
 from tandem.trainer import metrics
 from tandem.trainer.build import Run, build
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.learner import NonFiniteStepError
 from tandem.trainer.metrics import IdleSteps, combine, completion_records, round_metrics
-from tandem.trainer.producer import Round, RoundTimeout, completion_seed
-from tandem.trainer.stops import Flag, Preempted, after_failure, preempted
+from tandem.trainer.producer import Round, completion_seed
+from tandem.trainer.stops import FAILURES, Flag, OtherRankFailed, Preempted, after_failure, preempted, together_collective
 
 __all__ = ["NonFiniteStepError", "Preempted", "train"]
 
@@ -89,8 +88,11 @@ def run_loop(run: Run) -> dict:
             if _crossed(before, state.step, s.save_steps):
                 run.checkpointer.save_collective(state)  # at the end of the round that crossed a multiple of save_steps
                 saved_at = state.step
-    except (RolloutServerError, RoundTimeout) as exc:
-        raise type(exc)(f"{exc}\n{after_failure(run, exc, saved_at)}") from None
+    except FAILURES as exc:
+        advice = after_failure(run, exc, saved_at)
+        if not run.dist.is_main:  # process 0 says what failed, what was kept and what to do; the others one line each
+            raise OtherRankFailed(f"process {run.dist.rank} stopped with the run: {str(exc).splitlines()[0]}") from None
+        raise type(exc)(f"{exc}\n{advice}") from None
     finally:
         sigterm.restore()
         run.log.close_bar()
@@ -110,7 +112,7 @@ def train_round(run: Run, idle: IdleSteps) -> dict:
     # A colocated engine runs here, in the trainer's thread: under the same autocast as the
     # training forward (bf16), so the behaviour log-probs come from the same numerics.
     with run.dist.accelerator.autocast():
-        rnd = run.producer.next_round()
+        rnd = together_collective(run.dist, "round", run.producer.next_round)
     # --- prepare ---
     batch = prepare_collective(run, rnd)
     # --- update ---
@@ -134,18 +136,15 @@ def train_round(run: Run, idle: IdleSteps) -> dict:
             first = it == 0 and opt_step == 0
             final = (it == s.num_iterations - 1 and opt_step == s.steps_per_pass - 1) or state.step >= s.max_steps
             # --- publish ---
-            # The step is taken whatever happens to the push. Alone, a failed push is raised
-            # after the step's metrics are logged, so the emergency checkpoint leaves no gap in
-            # them. With several processes it is raised at once: the others may be waiting in
-            # the push's collectives, and logging would start a different one (a deadlock).
+            # The step is taken whatever happens to the push. A failed push (or round ahead) is
+            # raised on every rank together, after the step's metrics are logged, so the
+            # checkpoint saved then leaves no gap in them.
             publish_error, publish_seconds = None, 0.0
             if final:
                 state.after_round(rnd.index, rnd.sampler_state)
                 try:
                     publish_seconds = run.sync.publish_collective(state.version, rnd.index, state.step)
-                except RolloutServerError as exc:
-                    if run.dist.world > 1:
-                        raise
+                except FAILURES as exc:
                     publish_error, publish_seconds = exc, float("nan")
             # --- log ---
             record = step_record_collective(run, rnd, batch, loss_sum, grad_norm, stats, time.perf_counter() - round_start, first)

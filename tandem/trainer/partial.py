@@ -141,16 +141,28 @@ class PartialProducer(AsyncProducer):
             if self._failure is not None and self._versions_done < v:
                 raise self._failure
 
-    def _checkpoint_version(self) -> int:
-        """The version whose end a checkpoint keeps: the last one before the live one, once its
-        calls are done (waited for, as wait_generated would), else the last that is."""
-        v = min(self._live_version - 1, self.last_version())
+    def _checkpoint_version(self, version: int) -> int | None:
+        """The version whose end a checkpoint of the trainer's weights of `version` keeps: the one
+        before, whose calls ended the round those weights trained last (waited for, as
+        wait_generated would). Not the live one's: a push that failed left it a version behind
+        (issue 73: a checkpoint after it held weights of v4 with sequences in flight as of v2).
+        None where that version's calls never finished (they failed): nothing here matches."""
+        v = min(version - 1, self.last_version())
         with self._cv:
             self._cv.wait_for(lambda: self._versions_done >= v or self._failure is not None, timeout=self.round_timeout)
-            return min(v, self._versions_done)
+            return v if self._versions_done >= v else None
 
-    def pending(self) -> list[Round]:
-        v = self._checkpoint_version()
+    def checkpointable(self, version: int) -> bool:
+        return self._checkpoint_version(version) is not None
+
+    def _kept(self, version: int) -> int:
+        v = self._checkpoint_version(version)
+        if v is None:
+            raise RuntimeError(f"partial rollouts: the calls of version {version - 1} never finished, so no checkpoint matches weights of version {version}")
+        return v
+
+    def pending(self, version: int) -> list[Round]:
+        v = self._kept(version)
         out, r = [], self.round_index
         while r <= self.last_round and self.due(r) <= v:
             future = self._future(r)
@@ -160,8 +172,8 @@ class PartialProducer(AsyncProducer):
             r += 1
         return out
 
-    def carried(self) -> dict | None:
-        v = self._checkpoint_version()
+    def carried(self, version: int) -> dict | None:
+        v = self._kept(version)
         with self._cv:
             return self._saved.get(v)
 

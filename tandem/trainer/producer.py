@@ -117,13 +117,20 @@ class SyncProducer:
         self.round_index = first_round
         self._ready = {rnd.index: rnd for rnd in ready}
 
-    def pending(self) -> list[Round]:
-        """Rounds generated but not yet handed to the trainer, in order (for a checkpoint)."""
+    def pending(self, version: int) -> list[Round]:
+        """Rounds generated but not yet handed to the trainer, in order, for a checkpoint of the
+        trainer's weights of `version`."""
         return []
 
-    def carried(self) -> dict | None:
-        """Sequences in flight between rounds, for a checkpoint (partial rollouts; None here)."""
+    def carried(self, version: int) -> dict | None:
+        """Sequences in flight between rounds, for a checkpoint of the trainer's weights of
+        `version` (partial rollouts; None here)."""
         return None
+
+    def checkpointable(self, version: int) -> bool:
+        """Whether what pending() and carried() give matches the trainer's weights of `version`
+        (after a failure it may not: partial rollouts whose last calls never finished)."""
+        return True
 
     def next_round(self) -> Round:
         if self.round_index in self._ready:
@@ -308,7 +315,7 @@ class AsyncProducer(SyncProducer):
         self._first_to_generate = first_round + len(ready)
         self._thread.start()
 
-    def pending(self) -> list[Round]:
+    def pending(self, version: int) -> list[Round]:
         out, r = [], self.round_index
         while True:
             with self._cv:

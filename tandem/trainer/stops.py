@@ -7,10 +7,25 @@ import sys
 import threading
 from pathlib import Path
 
+from tandem.rollout.client import RolloutServerError
 from tandem.trainer.checkpoint import where_to_resume
 from tandem.trainer.producer import RoundTimeout
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a process the signal ended
+
+
+class OtherRankFailed(RuntimeError):
+    """This process stops because another training process failed at the same point of the round."""
+
+
+# What stops a run between rounds with a checkpoint of what it trained: a rollout server gone or
+# refusing, a round that never came. Raised on every rank together (Dist.together_collective).
+FAILURES = (RolloutServerError, RoundTimeout, OtherRankFailed)
+
+
+def together_collective(dist, what: str, fn):
+    """fn() on every rank; where it fails on any (FAILURES), every rank raises here."""
+    return dist.together_collective(fn, what, FAILURES, lambda: OtherRankFailed(f"another training process's {what} failed (its message says why)"))
 
 
 class Preempted(RuntimeError):
@@ -57,7 +72,7 @@ class Flag:
         """Exit now, saying what the run keeps: its last checkpoint, which no save in flight can
         have broken (a save is put in place whole, or not at all)."""
         print(f"tandem: stopped by SIGTERM: {why}; what this process had trained since its last checkpoint is dropped, and "
-              f"{where_to_resume(self.output_dir)}: resume with --resume_from_checkpoint latest --output_dir {Path(self.output_dir)}",
+              f"{where_to_resume(self.output_dir)}",
               file=sys.stderr, flush=True)  # fmt: skip
         sys.stdout.flush()
         os._exit(SIGTERM_EXIT)
@@ -73,21 +88,25 @@ class Flag:
 
 def after_failure(run, exc: Exception, saved_at: int) -> str:
     """What a run stopped by a server or by a round that never came keeps, and what to do. We
-    are between rounds: one process saves what it trained since its last checkpoint (with
-    several, the others may be anywhere, so the last periodic checkpoint stands)."""
+    are between rounds, every process at the same point (the failure was raised on all of them
+    together): they save what they trained since the last checkpoint, where the producer holds
+    a state that matches the trainer's weights (partial rollouts whose last calls failed do not:
+    there the last checkpoint stands)."""
     if getattr(exc, "unreachable", False):
         fix = "restart the rollout server"
     elif isinstance(exc, RoundTimeout):
         fix = "find what held the round up"
     else:
         fix = "fix what the message above names"
-    kept = "the last checkpoint is"
-    if run.dist.world == 1 and run.state.step > saved_at:
-        run.checkpointer.save_collective(run.state)
-        saved_at, kept = run.state.step, "checkpoint saved"
+    kept, state, dist = "the last checkpoint is", run.state, run.dist
+    together = dist.world == 1 or getattr(exc, "every_rank", False)
+    if together and state.step > saved_at and dist.all_collective(run.producer.checkpointable(state.version), "a checkpoint after the failure"):
+        run.checkpointer.save_collective(state)
+        saved_at, kept = state.step, "checkpoint saved"
+    trained = f"trained {state.step} of {run.schedule.max_steps} steps"
     if saved_at == 0:
-        return f"tandem: no step was trained; {fix}, then start the run again"
-    return f"tandem: {kept} at step {saved_at}; {fix}, then resume with --resume_from_checkpoint latest --output_dir {run.schedule.output_dir}"
+        return f"tandem: {trained}, none saved; {fix}, then start the run again"
+    return f"tandem: {trained}; {kept} at step {saved_at}; {fix}, then resume with --resume_from_checkpoint latest --output_dir {run.schedule.output_dir}"
 
 
 def preempted(run, saved_at: int) -> str:

@@ -8,6 +8,7 @@ from typing import Callable
 from tandem.engines.engine import Engine
 from tandem.trainer.dist import Dist
 from tandem.trainer.producer import SyncProducer
+from tandem.trainer.stops import together_collective
 
 
 class WeightSync:
@@ -26,14 +27,13 @@ class WeightSync:
 
         Async: round trained_round + max_staleness must be generated, on every rank, with the
         version live until now; so the push waits for it (it ran in parallel with the training
-        just done, so this wait is usually zero)."""
+        just done, so this wait is usually zero). A failure of either, on any rank, is raised on
+        every rank (stops.FAILURES)."""
         t = time.perf_counter()
         if self.wait_for_round_ahead is not None and step < self.last_step:
-            self.producer.wait_generated(trained_round + self.wait_for_round_ahead)
-            if self.dist.world > 1:
-                self.dist.barrier_collective("rounds ahead generated")
+            together_collective(self.dist, "rounds ahead generated", lambda: self.producer.wait_generated(trained_round + self.wait_for_round_ahead))
         if self.push_collective is not None:
-            self.push_collective(version)
+            together_collective(self.dist, "weight push", lambda: self.push_collective(version))
         self.engine.version = version
         self.producer.set_live_version(version)
         return time.perf_counter() - t
