@@ -78,21 +78,29 @@ def test_a_server_restart_mid_run_changes_nothing(tiny_model, data, tmp_path, mo
     assert [m["loss"] for m in read(out)[0]] == [m["loss"] for m in read(tmp_path / "calm")[0]]
 
 
-def test_a_server_that_stays_down_stops_the_run_with_a_checkpoint_to_resume(tiny_model, data, tmp_path):
+@pytest.mark.parametrize("procs, mode", [(1, "sync"), (2, "async")])
+def test_a_server_that_stays_down_stops_the_run_with_a_checkpoint_to_resume(tiny_model, data, tmp_path, procs, mode):
+    # With 2 processes the run said "no step was trained" and saved nothing: the steps were lost,
+    # and rank 1's gloo traceback followed.
     server = Server(tiny_model)
     out = tmp_path / "run"
-    extra = ["--max_steps", "16", "--save_steps", "100", "--rollout_server_timeout", "5", "--rollout_mode", "server"]
-    trainer = subprocess.Popen(command(1, base_args(tiny_model, data, out, 32, *extra, "--rollout_server_urls", server.url)),
+    extra = ["--max_steps", "16", "--save_steps", "100", "--rollout_server_timeout", "5", "--rollout_mode", "server",
+             "--async_generate", str(mode == "async")]  # fmt: skip
+    trainer = subprocess.Popen(command(procs, base_args(tiny_model, data, out, 32 // procs, *extra, "--rollout_server_urls", server.url)),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
     stderr, waited = kill_server_mid_run(server, trainer, out, step=3, timeout=120)
     assert trainer.returncode == 1
     assert waited < 5 + 30, waited  # rollout_server_timeout plus saving and exiting
-    assert "did not answer" in stderr and "resume with --resume_from_checkpoint latest" in stderr, stderr[-3000:]
     steps_done = len((out / "metrics.jsonl").read_text().splitlines())
+    assert "did not answer" in stderr and f"tandem: trained {steps_done} of 16 steps; checkpoint saved at step {steps_done}" in stderr, stderr[-3000:]
+    # no traceback of tandem's (torchrun prints its own block for a worker that exited with 1)
+    assert f"resume with --resume_from_checkpoint latest --output_dir {out}" in stderr and "tandem/" not in stderr and "gloo" not in stderr, stderr[-3000:]
+    if procs == 2:
+        assert "tandem: process 1 stopped with the run: " in stderr
     assert (out / "latest").read_text().strip() == f"checkpoint-{steps_done}"
     server = Server(tiny_model, port=server.port)
     try:
-        train(1, base_args(tiny_model, data, out, 32, *extra, "--rollout_server_urls", server.url, "--resume_from_checkpoint", "latest"))
+        train(procs, base_args(tiny_model, data, out, 32 // procs, *extra, "--rollout_server_urls", server.url, "--resume_from_checkpoint", "latest"))
     finally:
         server.stop()
     assert [m["step"] for m in read(out)[0]] == list(range(1, 17))
