@@ -3,9 +3,11 @@
 import argparse
 import contextlib
 import ctypes
+import errno
 import gc
 import logging
 import os
+import resource
 import sys
 import traceback
 from pathlib import Path
@@ -309,6 +311,42 @@ def _return_freed_memory() -> None:
         pass  # not glibc: another allocator, left as it is
 
 
+def _open_files() -> None:
+    """As many file descriptors as this process may have: the soft limit raised to the hard one.
+    Every session of an agent, every client of a rollout server and every tool worker holds
+    sockets or pipes, and the common soft limit of 1,024 was reached by 512 concurrent sessions.
+    Where the hard limit is reached anyway, asyncio's traceback for each refused accept (18,406
+    of them, 7.4 MB of log, in that run) becomes one line, said once."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # a hard limit the kernel caps lower (macOS): the soft one stays
+        pass
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OutOfFilesOnce) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_OutOfFilesOnce())
+
+
+class _OutOfFilesOnce(logging.Filter):
+    """asyncio's records of an accept() that failed for want of file descriptors: the first as one
+    line naming the limit, the rest dropped (the listener retries, and connections wait)."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not (isinstance(exc, OSError) and exc.errno == errno.EMFILE):
+            return True
+        if self.said:
+            return False
+        self.said = True
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        record.msg, record.args, record.exc_info = (f"this process has all the {limit} file descriptors it may open (ulimit -n): new connections "
+                                                    "wait until others close; raise the limit (ulimit -n, or the hard limit) for more at once"), (), None  # fmt: skip
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 2 a user's mistake (a config value, a dataset, a reward function), one
     message naming it and the fix, the traceback only with TANDEM_DEBUG=1 (a reward function, a
@@ -316,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     gone, a round never came, a checkpoint or log line the disk could not hold, a non-finite step under
     on_nonfinite error); 143 stopped by SIGTERM, with a checkpoint."""
     _return_freed_memory()
+    _open_files()
     with _collector_paused():
         from tandem.data import DataError
         from tandem.rewards import RewardError

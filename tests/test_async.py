@@ -373,19 +373,27 @@ def test_sigterm_stops_every_rank_within_seconds_with_a_checkpoint(tiny_model, d
 HANGS_AFTER_ONE = "import time\ncalls = []\ndef judge(prompts, completions, **kw):\n    calls.append(1)\n    if len(calls) > 1:\n        time.sleep(3600)\n    return [0.5] * len(completions)\n"
 
 
-@pytest.mark.parametrize("how", ["past sigterm_timeout", "a second SIGTERM"])
+@pytest.mark.parametrize("how", ["past sigterm_timeout", "a second SIGTERM", "before any checkpoint"])
 def test_sigterm_ends_a_stuck_round_within_its_bound_with_143_and_the_last_checkpoint(tiny_model, data, tmp_path, how):
-    # The round after step 1 waits on a reward function without timeout (reward_timeout none).
-    # A SIGTERM used to wait for it forever (or reward_timeout, 600 s by default), a second one
-    # was ignored, and the exit code was then 2.
-    (tmp_path / "judge.py").write_text(HANGS_AFTER_ONE)
+    # The round after step 1 (or the first round) waits on a reward function without timeout
+    # (reward_timeout none). A SIGTERM used to wait for it forever (or reward_timeout, 600 s by
+    # default), a second one was ignored, and the exit code was then 2. With no checkpoint yet,
+    # the message said to resume from latest, which is refused.
+    first = how == "before any checkpoint"
+    hangs = HANGS_AFTER_ONE.replace("    if len(calls) > 1:", f"    if len(calls) > 0:\n        open({str(tmp_path / 'called')!r}, 'w').close()")
+    (tmp_path / "judge.py").write_text(hangs if first else HANGS_AFTER_ONE)
     out = tmp_path / "run"
     args = base_args(tiny_model, data, out, 16, "--max_steps", "10", "--save_steps", "1", "--reward_funcs", f"{tmp_path / 'judge.py'}:judge",
-                     "--reward_timeout", "none", "--sigterm_timeout", "4" if how == "past sigterm_timeout" else "300")  # fmt: skip
+                     "--reward_timeout", "none", "--sigterm_timeout", "300" if how == "a second SIGTERM" else "4")  # fmt: skip
     trainer = subprocess.Popen(command(1, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        wait_for_step(out, 1, trainer)
-        time.sleep(1)  # into round 1's reward
+        if first:  # into round 0's reward
+            while not (tmp_path / "called").exists():
+                assert trainer.poll() is None, trainer.communicate()[1][-2000:]
+                time.sleep(0.05)
+        else:
+            wait_for_step(out, 1, trainer)
+            time.sleep(1)  # into round 1's reward
         start = time.monotonic()
         trainer.send_signal(signal.SIGTERM)
         if how == "a second SIGTERM":
@@ -396,9 +404,13 @@ def test_sigterm_ends_a_stuck_round_within_its_bound_with_143_and_the_last_check
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    assert trainer.returncode == 143 and took < (15 if how == "past sigterm_timeout" else 5), (trainer.returncode, took, stderr[-2000:])
-    why = "the round in flight did not end within sigterm_timeout=4s" if how == "past sigterm_timeout" else "a second SIGTERM came"
-    assert f"tandem: stopped by SIGTERM: {why}" in stderr and f"latest still names checkpoint-1: resume with --resume_from_checkpoint latest --output_dir {out}" in stderr, stderr[-2000:]
+    assert trainer.returncode == 143 and took < (5 if how == "a second SIGTERM" else 15), (trainer.returncode, took, stderr[-2000:])
+    why = "a second SIGTERM came" if how == "a second SIGTERM" else "the round in flight did not end within sigterm_timeout=4s"
+    assert f"tandem: stopped by SIGTERM: {why}" in stderr, stderr[-2000:]
+    if first:
+        assert "there is no checkpoint yet: start the run again" in stderr and "resume" not in stderr, stderr[-2000:]
+        return
+    assert f"latest still names checkpoint-1: resume with --resume_from_checkpoint latest --output_dir {out}" in stderr, stderr[-2000:]
     assert checkpoint.resolve("latest", out) == out / "checkpoint-1"
 
 
