@@ -639,3 +639,39 @@ def test_a_dead_runs_hold_on_the_server_lapses_and_a_live_ones_is_renewed(tiny_m
         client.close()
     finally:
         server.stop()
+
+
+PUSH_UNDER_A_FILE_SIZE_LIMIT = """
+import sys
+from transformers import AutoModelForCausalLM
+from tandem.rollout.client import RolloutClient
+from tandem.rollout.weights import fingerprint
+url, model, key = sys.argv[1:]
+named = list(AutoModelForCausalLM.from_pretrained(model).named_parameters())
+shifted = [(n, p.detach() + 0.5) for n, p in named]
+client = RolloutClient([url], api_key=key, server_timeout=30)
+client.wait_until_ready()
+client.push_weights(shifted, version=1, force=True)
+assert client.fingerprints()[0] == {"version": 1, "fingerprint": fingerprint(shifted)}, client.fingerprints()
+client.push_weights(named, version=0, force=True)  # the module's server as it was
+assert client.fingerprints()[0] == {"version": 0, "fingerprint": fingerprint(named)}
+print("pushed")
+"""
+
+
+def test_a_push_that_cannot_write_shared_memory_goes_over_http_and_says_so(server, tiny_model):
+    # Files capped at 100 kB (RLIMIT_FSIZE, as a checkpoint test caps the trainer's): the push's
+    # sealed memfds (563 kB of weights) cannot be written. It was a raw OSError traceback.
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def capped():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    proc = subprocess.run([sys.executable, "-c", PUSH_UNDER_A_FILE_SIZE_LIMIT, server.url, str(tiny_model), KEY], capture_output=True, text=True,
+                          timeout=120, preexec_fn=capped)  # fmt: skip
+    assert proc.returncode == 0 and "pushed" in proc.stdout, proc.stderr[-3000:]
+    assert "a weight push could not be written to shared memory (OSError: " in proc.stderr and "it goes over HTTP instead" in proc.stderr

@@ -4,6 +4,7 @@ Transport, made once per push for the servers that take it; a transport whose me
 read (the files, the GPU buffers) may hold the push's copy of the weights itself, so no second
 copy is made."""
 
+import logging
 import mmap
 import os
 import threading
@@ -14,6 +15,7 @@ import torch
 from tandem.rollout.weights import (StagedWeights, buckets, cuda_bucket, cuda_views, parse_safetensors, safetensors_stream, sealed_memfd,
                                    share_cuda)  # fmt: skip
 
+log = logging.getLogger("tandem")
 # post(method, route, what, **request): one request of this update to one server, at
 # /weights/{update id}/{route}; `what` names it in errors. Returns the answer.
 Post = Callable[..., dict]
@@ -48,11 +50,13 @@ class HttpChunks(Transport):
     """Each bucket as a safetensors body, streamed: the way to any server."""
 
     def send(self, post: Post, url: str, named: Named, bucket_bytes: int) -> list[int]:
-        sent = []
-        for bucket in bucketed(named, bucket_bytes):
-            post("PUT", "chunk", "a weight chunk", data=_Body(bucket), headers={"Content-Type": "application/octet-stream"})
-            sent.append(nbytes(bucket))
-        return sent
+        return [send_chunk(post, bucket) for bucket in bucketed(named, bucket_bytes)]
+
+
+def send_chunk(post: Post, bucket: dict[str, torch.Tensor]) -> int:
+    """One bucket as a safetensors body; its bytes."""
+    post("PUT", "chunk", "a weight chunk", data=_Body(bucket), headers={"Content-Type": "application/octet-stream"})
+    return nbytes(bucket)
 
 
 class SharedFiles(Transport):
@@ -83,7 +87,12 @@ class SharedFiles(Transport):
     def send(self, post: Post, url: str, named: Named, bucket_bytes: int) -> list[int]:
         sent = []
         for i, bucket in enumerate(bucketed(named, bucket_bytes)):
-            fd = self._get(i, bucket)
+            try:
+                fd = self._get(i, bucket)
+            except OSError as exc:  # a file-size limit, or /dev/shm full: this bucket goes as a chunk
+                _over_http(exc)
+                sent.append(send_chunk(post, bucket))
+                continue
             try:
                 post("POST", "file", "a weight file", json={"path": f"/proc/{os.getpid()}/fd/{fd}"})
             finally:
@@ -160,12 +169,23 @@ class Push:
         if cuda is not None and cuda.users == len(self.by_url):
             return cuda.copy(named, dtype, bucket_bytes)
         if "shm" in self.kinds:
-            return self.kinds["shm"].copy(named, dtype, bucket_bytes)
+            try:
+                return self.kinds["shm"].copy(named, dtype, bucket_bytes)
+            except OSError as exc:  # a file-size limit, or /dev/shm full: the servers on this host get this push over HTTP
+                _over_http(exc)
+                self.kinds["shm"].close()
+                self.kinds["http"] = self.kinds.get("http") or HttpChunks(0, self.kinds["shm"].device)
+                self.by_url = {url: self.kinds["http"] if t is self.kinds["shm"] else t for url, t in self.by_url.items()}
+                del self.kinds["shm"]
         return [(n, t.detach().to("cpu", dtype=dtype, copy=True).contiguous()) for n, t in named]
 
     def close(self) -> None:
         for transport in self.kinds.values():
             transport.close()
+
+
+def _over_http(exc: OSError) -> None:
+    log.warning(f"a weight push could not be written to shared memory ({type(exc).__name__}: {exc}); it goes over HTTP instead")
 
 
 class _Body:
