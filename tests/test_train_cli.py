@@ -193,14 +193,18 @@ def test_a_prompt_past_the_models_positions_is_refused_naming_its_row(tiny_model
 
 
 @pytest.mark.parametrize(
-    "cap, steps, message",
+    "cap, steps, message, procs",
     [
-        (100_000, 2, "could not write checkpoint-1 in {out} (SafetensorError"),  # the model's weights (563 kB) fail
-        (800_000, 2, "could not write checkpoint-1 in {out} (OSError: writing optimizer.pt failed"),  # torch.save's (1.1 MB): a raw RuntimeError
-        (12_000, 30, "could not write metrics.jsonl in {out} (OSError"),  # a log line, before any save: a raw OSError
+        (100_000, 2, "could not write checkpoint-1 in {out} (SafetensorError", 1),  # the model's weights (563 kB) fail
+        (800_000, 2, "could not write checkpoint-1 in {out} (OSError: writing optimizer.pt failed", 1),  # torch.save's (1.1 MB): a raw RuntimeError
+        (12_000, 30, "could not write metrics.jsonl in {out} (OSError", 1),  # a log line, before any save: a raw OSError
+        # rank 0's weights fail; rank 1 said "Parent directory .tmp-checkpoint-1 does not exist" (rank 0 had removed it)
+        (100_000, 2, "could not write checkpoint-1 in {out} (SafetensorError", 2),
     ],
 )
-def test_a_disk_that_cannot_hold_a_file_ends_the_run_naming_it_and_leaves_nothing_half_written(tiny_model, data, tmp_path, cap, steps, message):
+def test_a_disk_that_cannot_hold_a_file_ends_the_run_naming_it_and_leaves_nothing_half_written(tiny_model, data, tmp_path, cap, steps, message, procs):
+    from conftest import command
+
     import resource
     import signal
     import subprocess
@@ -212,13 +216,17 @@ def test_a_disk_that_cannot_hold_a_file_ends_the_run_naming_it_and_leaves_nothin
         resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
 
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", out,
-                           "--reward_funcs", "exact_match", "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "4",
-                           "--max_steps", str(steps), "--save_steps", "1" if steps == 2 else "0", "--disable_tqdm", "true", "--num_completions_to_log", "1"],
-                          capture_output=True, text=True, timeout=300, preexec_fn=small_disk)  # fmt: skip
+    args = ["--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", out, "--reward_funcs", "exact_match", "--num_generations", "4",
+            "--per_device_train_batch_size", 8 // procs, "--max_completion_length", "4", "--max_steps", steps, "--save_steps", "1" if steps == 2 else "0",
+            "--disable_tqdm", "true", "--num_completions_to_log", "1"]  # fmt: skip
+    proc = subprocess.run(command(procs, args), capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "tandem: " + message.format(out=out) in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    if procs == 2:  # rank 1 names rank 0's failure, and no staging folder went missing under it
+        assert f"could not write checkpoint-1 in {out} (OSError: another training process could not write its part" in proc.stderr, proc.stderr[-3000:]
+        assert "Parent directory" not in proc.stderr and "gloo" not in proc.stderr
+    else:
+        assert "Traceback" not in proc.stderr
     assert not list(out.glob(".tmp-checkpoint-*")) and not (out / "latest").exists()
 
 
