@@ -446,9 +446,23 @@ def test_an_environment_that_raises_stops_the_round_naming_what_raised():
         def step(self, text):
             time.sleep(0.5)
 
-    mt, tok, _ = _multi_turn(environment_factory=Stuck, tools=(), timeout=0.1)
-    with pytest.raises(TrajectoryError, match=r"environment_factory: step took longer than tool_timeout \(0.1s\)"):
-        _run(mt, tok, [], ["Guess the number"], [["3"]])
+    # reset and the constructor were called outside the bound: one that slept held the round
+    # until SIGTERM's (still running at 200 s with tool_timeout 3)
+    class StuckReset(Guess):
+        def reset(self, **row):
+            time.sleep(0.5)
+
+    class StuckStart(Guess):
+        def __init__(self):
+            if not getattr(StuckStart, "schema_made", False):  # the first one only makes the tools' schemas
+                StuckStart.schema_made = True
+                return
+            time.sleep(0.5)
+
+    for stuck, what in [(Stuck, "step"), (StuckReset, "reset"), (StuckStart, "its constructor")]:
+        mt, tok, _ = _multi_turn(environment_factory=stuck, tools=(), timeout=0.1)
+        with pytest.raises(TrajectoryError, match=rf"environment_factory: {what} took longer than tool_timeout \(0.1s\)"):
+            _run(mt, tok, [], ["Guess the number"], [["3"]])
 
 
 def test_the_environments_of_a_round_step_concurrently():

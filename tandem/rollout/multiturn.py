@@ -352,9 +352,9 @@ class MultiTurn:
         messages = copy.deepcopy(prompt.messages)
         t = Live(prompt.ids, messages, seed, self.tools)
         if self.environment_factory is not None:
-            t.env = _environment_call(self.environment_factory, "its constructor")
+            t.env = self._bounded("its constructor", self.environment_factory)
             t.tools = {**self.tools, **{tool.name: replace(tool, fn=getattr(t.env, tool.name)) for tool in self.env_tools}}
-            observation = _environment_call(t.env.reset, "reset", **prompt.row) if hasattr(t.env, "reset") else None
+            observation = self._bounded("reset", t.env.reset, **prompt.row) if hasattr(t.env, "reset") else None
             if observation is not None:  # appended to the prompt's last message, as TRL does
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
                 t.prompt_ids = self.tokenizer(self.glue.render(messages, True), add_special_tokens=False)["input_ids"]
@@ -427,15 +427,20 @@ class MultiTurn:
     def _ask(self, t: Live, entry: dict):
         """Ask t's environment again what env_log's `entry` asked; its answer."""
         if "step" in entry:
-            return self._observation(self.runner.pool.submit(_environment_call, t.env.step, "step", entry["step"]))
+            return self._bounded("step", t.env.step, entry["step"])
         return self.runner.run([(t.tools, ToolCall(entry["tool"], entry["arguments"]))])[0].content
 
-    def _observation(self, step):
-        """What an environment's step (a future in the tools' pool) returned, within tool_timeout."""
+    def _bounded(self, what: str, fn: Callable, *args, **kwargs):
+        """An environment's own call (its constructor, reset, step) in the tools' pool, within
+        tool_timeout, as tool calls are: one that sleeps held the round until SIGTERM's bound."""
+        return self._observation(self.runner.pool.submit(_environment_call, fn, what, *args, **kwargs), what)
+
+    def _observation(self, call, what: str = "step"):
+        """What an environment's call (a future in the tools' pool) returned, within tool_timeout."""
         try:
-            return step.result(timeout=self.runner.timeout)
+            return call.result(timeout=self.runner.timeout)
         except FutureTimeout:
-            raise TrajectoryError(f"environment_factory: step took longer than tool_timeout ({self.runner.timeout:g}s)") from None
+            raise TrajectoryError(f"environment_factory: {what} took longer than tool_timeout ({self.runner.timeout:g}s)") from None
 
     def _cap(self, content: str, room: int) -> str:
         """A tool's result as the model sees it (and completions.jsonl shows it): at most
