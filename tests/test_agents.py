@@ -39,7 +39,7 @@ def local(tiny_model):
 
 def _run(local, fn, seeds=(11, 22), timeout=30.0, failure="drop", max_turns=8, max_len=64, min_version=0):
     engine, tok = local
-    agents = AgentFunction(fn, "test:agent", tok, SessionServing(SessionStore(), tok, "policy", PARAMS, {}, "hermes"),
+    agents = AgentFunction(fn, "test:agent", tok, SessionServing(SessionStore(), tok, "policy", PARAMS, {}, "hermes", max_context=1024),
                            AgentOptions(timeout, max_turns, max_len, failure))  # fmt: skip
     prompts = []
     for q in QUESTIONS[: len(seeds)]:
@@ -96,6 +96,31 @@ def test_an_agents_turns_are_the_engines_tokens_with_the_glue_between_them_out_o
     # the same seeds, the same trajectories (a deterministic agent is reproducible from the run's seed)
     (again, _), _ = _run(local, _ask_twice)
     assert again.token_ids == t0.token_ids and again.logprobs == t0.logprobs
+
+
+REFUSED: list[str] = []
+
+
+async def _floods(row, client):
+    # 10^5 messages (3.4 MB) kept a colocated run past agent_timeout (20 s: still running at
+    # 240 s); one 30 MB message took 171 s to refuse. 5,000 here: openai's client itself takes
+    # 15 s to send 10^5 (it transforms every message).
+    for messages in ([{"role": "user", "content": "hi there"}] * 5_000, [{"role": "user", "content": "x" * 30 * 2**20}]):
+        try:
+            await client.chat.completions.create(model="any", messages=messages, max_tokens=4)
+        except openai.BadRequestError as exc:
+            REFUSED.append(exc.message)
+    await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=4)  # the session goes on
+    return 1.0
+
+
+def test_a_request_that_cannot_fit_the_context_is_refused_before_it_is_rendered(local):
+    start = time.monotonic()
+    (traj,), _ = _run(local, _floods, seeds=(5,), timeout=20.0)
+    assert time.monotonic() - start < 10, time.monotonic() - start
+    assert len(REFUSED) == 2 and "5000 messages cannot fit the model's context of 1024 tokens" in REFUSED[0], REFUSED
+    assert "characters cannot fit the model's context of 1024 tokens" in REFUSED[1], REFUSED
+    assert traj.info["agent"]["error"] is False and traj.info["environment_reward"] == 1.0 and traj.info["turns"] == 1
 
 
 async def _rewrites(row, client):

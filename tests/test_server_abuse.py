@@ -390,3 +390,33 @@ def test_a_low_open_files_limit_is_raised_and_where_it_cannot_be_is_said_once(ti
         server.stop()
     said = "file descriptors it may open (ulimit -n)"
     assert "Traceback" not in out and out.count(said) == (0 if raised else 1), out[-3000:]
+
+
+def test_a_prompt_that_cannot_fit_the_context_is_refused_at_once_and_health_answers_meanwhile(server):
+    # Rendered and tokenised on the event loop: one 30 MB message took 171 s to refuse, and
+    # /health went unanswered meanwhile; 10^5 messages kept the template busy for minutes.
+    model = call(server, "GET", "/v1/models").json()["data"][0]["id"]
+    waits, done = [], threading.Event()
+
+    def probe():
+        while not done.is_set():
+            start = time.monotonic()
+            requests.get(server.url + "/health", timeout=60)
+            waits.append(time.monotonic() - start)
+            time.sleep(0.05)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        for messages, refusal in [([{"role": "user", "content": "x" * (30 * 2**20 - 200)}], "characters cannot fit the model's context of 1024 tokens"),
+                                  ([{"role": "user", "content": "hi there"}] * 100_000, "100000 messages cannot fit the model's context of 1024 tokens")]:  # fmt: skip
+            start = time.monotonic()
+            r = call(server, "POST", "/v1/chat/completions", data=json.dumps({"model": model, "messages": messages}), headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and refusal in r.json()["error"]["message"], r.text[:500]
+            assert time.monotonic() - start < 10
+        r = call(server, "POST", "/v1/completions", json={"model": model, "prompt": "y" * 2_000_000})
+        assert r.status_code == 400 and "prompt: 2000000 characters cannot fit" in r.json()["error"]["message"], r.text[:500]
+    finally:
+        done.set()
+        prober.join()
+    assert max(waits) < 2.0, max(waits)  # the body's JSON is parsed on the loop: 0.7 s here for the 30 MB one

@@ -9,6 +9,7 @@ choice's token ids end with the token that completed it (a token is never split)
 the engine's. `temperature: 0` samples at 0.01, near-greedy, as the engines' lowest temperature.
 """
 
+import asyncio
 import json
 import secrets
 import time
@@ -16,6 +17,7 @@ import uuid
 
 from jinja2 import TemplateError
 
+from tandem.aio import DaemonPool
 from tandem.rollout.sampling import mix64
 from tandem.rollout.tools import INVALID_CALL, TOOL_PARSERS
 from tandem.rollout.types import TEMPERATURE_RANGE, Completion, SamplingParams
@@ -34,6 +36,33 @@ class OpenAIServing:
         self.template_kwargs = dict(template_kwargs or {})
         self.tokenizer = None
         self.created = int(time.time())
+        # Prompts are rendered and tokenised here, one at a time as the event loop did, but off
+        # it: one 30 MB message took 171 s to refuse, and /health went unanswered meanwhile.
+        self._render = DaemonPool(1, "tandem-render")
+        self._longest_token: int | None = None  # characters of the vocabulary's longest token
+
+    def context(self) -> int | None:
+        """Tokens the model's context holds: a prompt's bound."""
+        return self.service.max_model_len
+
+    def check_size(self, characters: int, messages: int = 0, field: str = "messages") -> None:
+        """Refuse, before any rendering, a prompt that cannot fit the context whatever the
+        template makes of it: each message renders to a token at least, and no token holds more
+        characters than the vocabulary's longest (10^5 messages kept a template busy for minutes)."""
+        context = self.context()
+        if not context:
+            return
+        if messages > context:
+            raise ValueError(f"messages: {messages} messages cannot fit the model's context of {context} tokens (each takes one at least)")
+        if self._longest_token is None:
+            self._longest_token = max(map(len, self._tokenizer().get_vocab()), default=1)
+        if characters > context * self._longest_token:
+            raise ValueError(f"{field}: {characters} characters cannot fit the model's context of {context} tokens (a token holds at most "
+                             f"{self._longest_token} characters)")  # fmt: skip
+
+    async def rendered(self, fn, *args):
+        """fn(*args), a rendering or tokenisation, in the render thread."""
+        return await asyncio.wrap_future(self._render.submit(fn, *args))
 
     def models(self) -> O.ModelList:
         return O.ModelList(data=[O.ModelCard(id=self.model_name, created=self.created)])
@@ -53,7 +82,8 @@ class OpenAIServing:
 
     async def chat(self, req: O.ChatCompletionRequest) -> O.ChatCompletion:
         self._check_model(req)  # before the template: another model's request is a 404 whatever its messages
-        prompt = self.chat_prompt(req)
+        self.check_size(_characters(req), len(req.messages))
+        prompt = await self.rendered(self.chat_prompt, req)
         outs = await self._generate(prompt, req)
         parse = req.tools and req.tool_choice != "none"
         choices = [self._chat_choice(i, out, req, parse) for i, out in enumerate(outs)]
@@ -99,14 +129,17 @@ class OpenAIServing:
     # ------------------------------------------------------------------ completions
 
     async def complete(self, req: O.CompletionRequest) -> O.Completion:
-        prompt = self._text_prompt(req)
+        prompt = await self.text_prompt(req)
         outs = await self._generate(prompt, req)
         choices = [self._text_choice(i, out, req) for i, out in enumerate(outs)]
         return O.Completion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=req.model, choices=choices,
                             usage=_usage(prompt, choices), prompt_token_ids=prompt, version=min(o.version for o in outs))  # fmt: skip
 
-    def _text_prompt(self, req: O.CompletionRequest) -> list[int]:
-        return list(req.prompt) if isinstance(req.prompt, list) else self._tokenizer()(req.prompt)["input_ids"]
+    async def text_prompt(self, req: O.CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, list):
+            return list(req.prompt)
+        self.check_size(len(req.prompt), field="prompt")
+        return await self.rendered(lambda: self._tokenizer()(req.prompt)["input_ids"])
 
     def _text_choice(self, index: int, out: Completion, req: O.CompletionRequest) -> O.TextChoice:
         ids, text, finish = self._cut(out, req.stops())
@@ -191,6 +224,13 @@ def _template_message(m: O.Message) -> dict:
             calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
         out["tool_calls"] = calls
     return out
+
+
+def _characters(req: O.ChatCompletionRequest) -> int:
+    """The characters of a chat request's messages, tool calls and tools: all of them rendered."""
+    calls = sum(len(c.function.name) + len(c.function.arguments) for m in req.messages for c in m.tool_calls or ())
+    tools = len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools])) if req.tools else 0
+    return sum(len(m.text()) for m in req.messages) + calls + tools
 
 
 def _usage(prompt: list[int], choices) -> O.Usage:

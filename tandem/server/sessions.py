@@ -32,7 +32,7 @@ from typing import Awaitable, Callable
 from tandem.rollout.multiturn import TemplateGlue, turn_seed
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.server import openai_protocol as O
-from tandem.server.openai_serving import OpenAIServing, _template_message, _usage
+from tandem.server.openai_serving import OpenAIServing, _characters, _template_message, _usage
 
 
 class UnknownSession(LookupError):
@@ -212,10 +212,15 @@ class SessionServing(OpenAIServing):
     """The OpenAI-compatible endpoint inside sessions: every request is a turn of its session,
     sampled as the run samples and generated with the round's weights (Session.submit)."""
 
-    def __init__(self, store: SessionStore, tokenizer, model_name: str, params: SamplingParams, template_kwargs: dict, tool_parser: str):
+    def __init__(self, store: SessionStore, tokenizer, model_name: str, params: SamplingParams, template_kwargs: dict, tool_parser: str,
+                 max_context: int | None = None):  # fmt: skip
+        """`max_context`: the tokens the model's context holds (its max_position_embeddings)."""
         super().__init__(None, model_name, tool_parser, template_kwargs)
-        self.store, self.tokenizer, self.params = store, tokenizer, params
+        self.store, self.tokenizer, self.params, self.max_context = store, tokenizer, params, max_context
         self._glues: dict[str, TemplateGlue] = {}
+
+    def context(self) -> int | None:
+        return self.max_context
 
     def glue(self, tools: list | None) -> TemplateGlue:
         key = json.dumps(tools, sort_keys=True)
@@ -227,10 +232,11 @@ class SessionServing(OpenAIServing):
     async def session_chat(self, sid: str, req: O.ChatCompletionRequest) -> O.ChatCompletion:
         session = self.store.get(sid)
         self._check_sampling(req)
+        self.check_size(_characters(req), len(req.messages))
         messages = [_template_message(m) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         async with session.lock:
-            turn = session.chat_turn(messages, tools, lambda: self.chat_prompt(req), self.glue)
+            turn = await self.rendered(session.chat_turn, messages, tools, lambda: self.chat_prompt(req), self.glue)
             out = await session.generate(turn, req.limit())
             choice = self._chat_choice(0, out, req, bool(req.tools) and req.tool_choice != "none")
             session.record(turn, out, choice.token_ids, _template_message(O.Message(**choice.message.model_dump())), self.glue(tools))
@@ -239,7 +245,7 @@ class SessionServing(OpenAIServing):
     async def session_complete(self, sid: str, req: O.CompletionRequest) -> O.Completion:
         session = self.store.get(sid)
         self._check_sampling(req)
-        prompt = self._text_prompt(req)
+        prompt = await self.text_prompt(req)
         async with session.lock:
             turn = session.text_turn(prompt)
             out = await session.generate(turn, req.limit())

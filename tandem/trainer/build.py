@@ -146,7 +146,7 @@ def build(config: TrainConfig) -> Run:
     # turns, go on until every process's are done.
     lockstep = plan is not None and config.rollout_mode == "colocate"
     turns_done = (lambda done: dist.all_collective(done, "trajectories done (sharded turns)")) if lockstep else None
-    rollouts, template_kwargs, tool_names = _turns(config, tokenizer, turns_done)
+    rollouts, template_kwargs, tool_names = _turns(config, tokenizer, turns_done, max_len)
     prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length,
                             template_kwargs)  # fmt: skip
     table, skipped = load_prompts(config.dataset_name, tokenizer, prompts, max_len)
@@ -377,15 +377,16 @@ def _servers(config: TrainConfig, dist: Dist, learner: Learner, state: TrainStat
     return servers, pushes, push_collective
 
 
-def _turns(config: TrainConfig, tokenizer, all_done) -> tuple[Rollouts, dict, list[str] | None]:
+def _turns(config: TrainConfig, tokenizer, all_done, max_len: int | None) -> tuple[Rollouts, dict, list[str] | None]:
     """How prompts become trajectories, the chat template's arguments (the tools' schemas
     included), and the names multi-turn metrics count tool calls under (None: one turn).
-    `all_done`: a sharded colocated engine's lockstep across processes (MultiTurn's)."""
+    `all_done`: a sharded colocated engine's lockstep across processes (MultiTurn's); `max_len`:
+    the model's context, which bounds an agent's prompts."""
     template_kwargs = dict(config.chat_template_kwargs or {})
     if not config.multi_turn():
         return SingleTurn(config.max_completion_length), template_kwargs, None
     if config.agent_func:
-        return _agents(config, tokenizer, template_kwargs), template_kwargs, []
+        return _agents(config, tokenizer, template_kwargs, max_len), template_kwargs, []
     if config.rollout_func:
         try:
             fn = load_object(config.rollout_func, "rollout_func")
@@ -409,11 +410,11 @@ def _turns(config: TrainConfig, tokenizer, all_done) -> tuple[Rollouts, dict, li
     return rollouts, template_kwargs, [t.name for t in every_tool] + [INVALID_CALL, UNKNOWN_TOOL]
 
 
-def _agents(config: TrainConfig, tokenizer, template_kwargs: dict) -> AgentFunction:
+def _agents(config: TrainConfig, tokenizer, template_kwargs: dict, max_len: int | None) -> AgentFunction:
     """agent_func: the user's agent, and the endpoint its sessions run on (in this process)."""
     try:
         fn = load_object(config.agent_func, "agent_func")
-        serving = SessionServing(SessionStore(), tokenizer, config.model_name_or_path, config.sampling_params(), template_kwargs, config.tool_parser)
+        serving = SessionServing(SessionStore(), tokenizer, config.model_name_or_path, config.sampling_params(), template_kwargs, config.tool_parser, max_len)
         options = AgentOptions(config.agent_timeout, config.max_turns, config.max_completion_length, config.agent_failure)
         return AgentFunction(fn, config.agent_func, tokenizer, serving, options)
     except (ValueError, OSError, ImportError, TypeError) as exc:
