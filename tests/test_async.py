@@ -293,6 +293,29 @@ def test_killing_the_server_stops_every_process_with_an_error_naming_it(tiny_mod
     assert not leftovers, f"processes still running: {leftovers}"
 
 
+def test_killing_the_launcher_ends_its_workers_and_no_second_trainer_runs_in_their_folder_meanwhile(tiny_model, data, tmp_path):
+    # torchrun SIGKILLed alone left its workers training (all 200 steps), and a resume into their
+    # folder was not refused while they ran.
+    out = tmp_path / "run"
+    trainer = subprocess.Popen(command(2, base_args(tiny_model, data, out, 8, "--max_steps", "100000", "--save_steps", "1")),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    try:
+        wait_for_step(out, 2, trainer)
+        second = cli_here("train", *base_args(tiny_model, data, out, 16, "--max_steps", "4", "--resume_from_checkpoint", "latest"))
+        assert second.returncode == 2 and f"output_dir={out} is in use by a trainer that still runs (pid " in second.stderr, second.stderr[-2000:]
+        trainer.kill()  # torchrun alone
+        _, stderr = trainer.communicate(timeout=30)  # its stderr ends once its workers are gone too
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    deadline = time.monotonic() + 15
+    while (left := subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"workers still running: {left}"
+    assert stderr.count("its launcher (torchrun or accelerate launch) is gone; it ends too") == 2, stderr[-2000:]
+    checkpoint.RunFolderLock(out).release()  # theirs went with them
+
+
 def test_a_failing_trainer_exits_within_seconds_while_a_stopped_server_holds_its_request(tiny_model, data, server, tmp_path):
     # The client's request threads were an executor's, which Python joins at exit: a trainer that
     # failed while a server held its request lived on for rollout_request_timeout (here 120 s).

@@ -38,6 +38,7 @@ from safetensors.torch import load_model
 
 from tandem import rewards as rewards_lib
 from tandem.algo import Objective
+from tandem.children import die_with
 from tandem.data import GroupSampler
 from tandem.loading import load_object
 from tandem.engines.engine import TransformersEngine, eos_token_ids
@@ -106,10 +107,13 @@ class Run:
     skipped_prompts: int
     servers: Servers | None
     pushes: sharding.Pushes | None
+    lock: checkpoint.RunFolderLock | None = None  # rank 0's hold on output_dir
 
     def close(self, ok: bool = True) -> None:
         """After a failure the process group is left alone: destroying it could wait on a rank
         that is stuck in a collective; the launcher ends the other ranks when this one exits."""
+        if self.lock is not None:
+            self.lock.release()
         self.producer.close(ok)
         rewards_lib.close_rewards(self.reward_fns)
         if self.servers is not None:
@@ -131,7 +135,22 @@ def build(config: TrainConfig) -> Run:
     config.validate()
     config.bf16, bf16_warning = resolve_bf16(config.bf16)
     set_seed(config.seed)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # under torchrun or accelerate launch: a killed launcher's workers trained on
+        die_with(os.getppid(), "its launcher (torchrun or accelerate launch) is gone")
     dist = Dist(_accelerator(config))
+    # Before anything reads or writes output_dir: one trainer at a time there
+    lock = checkpoint.RunFolderLock(config.output_dir) if dist.is_main else None
+    try:
+        run = _build(config, dist, bf16_warning)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    run.lock = lock
+    return run
+
+
+def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None) -> Run:
     sharding.from_accelerate_config(config)
     plan = sharding.plan(config.fsdp, config.fsdp_options())  # None: DDP
     if plan is not None and dist.world == 1:

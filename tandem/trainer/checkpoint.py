@@ -14,11 +14,13 @@ both into sharded/ (torch.distributed.checkpoint), beside the model's config.jso
 turns that into an HF model.
 """
 
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,34 @@ def where_to_resume(output_dir: str | Path) -> str:
     if pointer.is_file():
         return f"latest still names {pointer.read_text().strip()}: resume with --resume_from_checkpoint latest --output_dir {Path(output_dir)}"
     return "there is no checkpoint yet: start the run again"
+
+
+class RunFolderLock:
+    """One trainer at a time in an output_dir: an exclusive lock on its .tandem.lock, held while
+    the trainer lives (the kernel lets go of it when the process ends, however it ends). A second
+    trainer there, a resume while the first still runs (the workers of a killed launcher, say),
+    would interleave its logs and checkpoints with the first's."""
+
+    NAME = ".tandem.lock"
+
+    def __init__(self, output_dir: str | Path):
+        check_writable(output_dir)
+        path = Path(output_dir) / self.NAME
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(self.fd)
+            raise ConfigError(f"output_dir={output_dir} is in use by a trainer that still runs ({holder}): wait for it to end, or stop it "
+                              "(the workers of a launcher that was killed end with it within seconds), then start or resume") from None  # fmt: skip
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # the lock goes with its last descriptor
+            self.fd = None
 
 
 def check_writable(output_dir: str | Path) -> None:
