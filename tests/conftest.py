@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -168,6 +169,58 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+class FakeServer:
+    """A fake at the network boundary: an HTTP server on a loopback port that answers as `answer`
+    says, `answer(method, path, body) -> (status, bytes)`: as the real server at `forward` does
+    where the status is None, and closes the connection unanswered (as a killed process) where it
+    is "drop"."""
+
+    def __init__(self, answer, forward: str | None = None):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, method):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, data = fake.answer(method, self.path, body)
+                if status == "drop":
+                    self.close_connection = True
+                    return
+                if status is None:  # as the real server answers
+                    headers = {k: v for k, v in self.headers.items() if k in ("Authorization", "Content-Type")}
+                    r = requests.request(method, fake.forward + self.path, data=body, headers=headers, timeout=60)
+                    status, data = r.status_code, r.content
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._reply("GET")
+
+            def do_POST(self):
+                self._reply("POST")
+
+            def do_PUT(self):
+                self._reply("PUT")
+
+            def do_DELETE(self):
+                self._reply("DELETE")
+
+        self.answer, self.forward = answer, forward
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
 
 def hand_over(server: "Server", model_dir, api_key: str | None = None) -> "Server":

@@ -3,6 +3,7 @@ and its work done by the others, put back when it answers again. Real servers on
 real signals (SIGKILL, SIGSTOP and SIGCONT), and a second machine simulated in namespaces of
 this host's kernel (machine_b)."""
 
+import json
 import os
 import secrets
 import shutil
@@ -16,12 +17,12 @@ import requests
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import ENV, Server, command, train, wait_for_step
+from conftest import ENV, FakeServer, Server, command, train, wait_for_step
 from tandem.demo import addition_rows, write_jsonl
 from tandem.rollout.client import RolloutClient, RolloutServerError
 from tandem.rollout.fleet import EvenSplit, Fleet, Timed
 from tandem.rollout.types import SamplingParams
-from tandem.rollout.weights import host_id
+from tandem.rollout.weights import fingerprint, host_id
 from test_async import DIGITS, base_args, read
 
 # What depends on timing, or on the behaviour log-probs (which the loss does not read here): the
@@ -242,6 +243,60 @@ def test_a_replica_that_stops_mid_call_is_worked_around_skipped_by_pushes_and_pu
         os.kill(servers[2].proc.pid, signal.SIGCONT)
         for s in servers:
             s.stop()
+
+
+def test_a_replica_killed_mid_push_and_restarted_with_another_dtype_gets_the_newest_weights_and_no_stale_update(tiny_model, caplog):
+    """A replica killed in the middle of the push of version 2 (a proxy in front of it drops every
+    connection from its first request of that push) and restarted on its port at once, holding
+    bf16 weights where the first process held fp32, with delta updates on. It is put back once it
+    holds version 2, read from it; later pushes reach it whole in bf16 (its dtype read again),
+    with no delta refused; an update of an older push, left running, is dropped."""
+    weights = list(AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters())
+    b, first = Server(tiny_model, env=ONE_THREAD), Server(tiny_model, env=ONE_THREAD)
+    killed, begun = threading.Event(), []
+
+    def answer(method, path, body):
+        if path == "/weights/begin":
+            begun.append(json.loads(body)["version"])
+            if begun.count(2) == 1 and begun[-1] == 2:  # the first process dies here
+                killed.set()
+        return ("drop", b"") if killed.is_set() else (None, b"")
+
+    proxy = FakeServer(answer, forward=first.url)
+    client = RolloutClient([b.url, proxy.url], server_timeout=60, replica_timeout=2, delta=True)
+    restarted = None
+    try:
+        client.wait_until_ready()
+        client.claim("fleet-test", "test")
+        client.watch(interval=0.2)
+        client.push_weights(weights, 1)
+        client.push_weights([(n, t + 1) for n, t in weights], 2)  # the replica dies mid-push: taken out, the push goes on without it
+        assert killed.is_set() and client.fleet.up() == [b.url]
+        restarted = Server(tiny_model, "--dtype", "bfloat16", env=ONE_THREAD)
+        proxy.forward = restarted.url
+        killed.clear()
+        deadline = time.monotonic() + 30
+        while proxy.url not in client.fleet.up():
+            assert time.monotonic() < deadline, "the restarted replica was not put back"
+            time.sleep(0.1)
+        assert client.fingerprint(proxy.url)["version"] == 2 and begun[-1] == 2
+        caplog.clear()
+        for version in (3, 4):
+            client.push_weights([(n, t + version) for n, t in weights], version)
+        pushed = [(n, t + 4) for n, t in weights]
+        assert client.fingerprints() == [{"version": 4, "fingerprint": fingerprint(pushed)},
+                                         {"version": 4, "fingerprint": fingerprint([(n, t.bfloat16()) for n, t in pushed])}]  # fmt: skip
+        assert "refused a delta update" not in caplog.text and caplog.text.count("pushes send whole weights") == 1, caplog.text
+        # an update of push 3 that was left running (its replica taken out) and comes back now: dropped
+        stale = client._last_pushed.seq - 1
+        assert client._push_one(proxy.url, [(n, t + 3) for n, t in weights], 3, True, False, seq=stale) is None
+        assert client.fingerprint(proxy.url)["version"] == 4
+    finally:
+        client.close()
+        proxy.close()
+        for server in (b, first, restarted):
+            if server is not None:
+                server.stop()
 
 
 def test_a_fleet_with_no_replica_left_stops_the_call_naming_each_and_why(tiny_model):

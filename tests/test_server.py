@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import HAVE_VLLM, KEY, LIMITS, Server, cli_here, free_port, run_cli
+from conftest import HAVE_VLLM, KEY, LIMITS, FakeServer, Server, cli_here, free_port, run_cli
 from tandem.aio import in_own_thread
 from tandem.rollout.client import RolloutClient, RolloutServerError
 from tandem.engines.engine import TransformersEngine
@@ -358,47 +358,6 @@ def test_an_answer_cut_off_midway_is_retried_then_reported_naming_the_server():
         client.close()
         listener.close()
     assert len(answered) >= 2  # retried, not raised at the first cut
-
-
-class FakeServer:
-    """A fake at the network boundary: an HTTP server on a loopback port that answers as `answer`
-    says, `answer(method, path, body) -> (status, bytes)`, or as the real server at `forward` does."""
-
-    def __init__(self, answer, forward: str | None = None):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, method):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status, data = fake.answer(method, self.path, body)
-                if status is None:  # as the real server answers
-                    headers = {k: v for k, v in self.headers.items() if k in ("Authorization", "Content-Type")}
-                    r = requests.request(method, fake.forward + self.path, data=body, headers=headers, timeout=60)
-                    status, data = r.status_code, r.content
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._reply("GET")
-
-            def do_POST(self):
-                self._reply("POST")
-
-        self.answer, self.forward = answer, forward
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 HEALTH = {"status": "ready", "instance_id": "f" * 32, "version": 3}

@@ -7,7 +7,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future, wait
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import requests
 import torch
@@ -16,7 +16,7 @@ from tandem.aio import in_thread
 from tandem.rollout.fleet import BALANCES, Fleet
 from tandem.rollout.types import FINISH_REASONS, Completion, SamplingParams
 from tandem.rollout.transports import TRANSPORTS, Push
-from tandem.rollout.weights import StagedWeights, buckets, compress_delta, cuda_device_id, fingerprint, host_id, shm_available, xor_bits
+from tandem.rollout.weights import StagedWeights, buckets, compress_delta, cuda_device_id, fingerprint, host_id, in_name_order, shm_available, xor_bits
 
 log = logging.getLogger("tandem")
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
@@ -106,11 +106,14 @@ class RolloutClient:
         self._watching = False
         self._dtypes: dict[str, str] = {}  # url -> the dtype its engine holds weights in (/info)
         self._vocab: dict[str, int] = {}  # url -> its model's vocabulary size (/info): the token ids it may answer
+        self._mixed_said: list[str] | None = None  # the servers' several dtypes, once said
         self._sent: list[int] = []  # bytes each request of the last push_weights sent (push_bytes)
         self._local = threading.local()  # one requests.Session per thread: Session is not thread-safe
         self._places: dict[str, tuple[bool, str | None]] = {}  # url -> (on this host, its GPU's id) from /info
         self._instances: dict[str, str] = {}  # url -> instance id of the server process we synced
-        self._last_pushed: tuple[int, list[tuple[str, torch.Tensor]], bool] | None = None  # version, tensors, adapter
+        self._last_pushed: _Pushed | None = None  # the newest push: what a restarted or returning replica gets
+        self._pushes = 0  # push_weights calls so far: an update of an older one is stale
+        self._fingerprints: dict[tuple[int, str | None], str] = {}  # (push, dtype) -> its weights' fingerprint in that dtype
         self._resync_lock = threading.Lock()
         self._push_locks = {url: threading.Lock() for url in self.urls}
         self._committed: dict[str, tuple[str, int]] = {}  # url -> (instance id, version) of its last commit
@@ -193,14 +196,15 @@ class RolloutClient:
             if health["instance_id"] == self._instances.get(url):
                 return  # another thread already did it
             self._instances[url] = health["instance_id"]  # calls below compare against the new process
+            self._read_info(url)  # it may hold another dtype now (restarted with another --dtype)
             if self.run is not None:
                 self._claim_one(url)
             if self.check_new_process is not None:
                 self.check_new_process(url)
-            if self._last_pushed is not None:
-                version, named, adapter = self._last_pushed
-                self._push_one(url, named, version, True, adapter)
-            pushed = f"pushed weights version {self._last_pushed[0]} again" if self._last_pushed else "nothing pushed yet"
+            last = self._last_pushed
+            if last is not None:
+                self._push_one(url, last.named, last.version, True, last.adapter, seq=last.seq)
+            pushed = f"pushed weights version {last.version} again" if last else "nothing pushed yet"
             log.warning(f"rollout server {url} restarted: it was unreachable for {restarted.down_seconds:.1f}s; {pushed}; repeating the request")
 
     def _retrying(self, fn):
@@ -335,27 +339,42 @@ class RolloutClient:
         push = self._push(self.fleet.up(), named)
         try:
             if not isinstance(named, StagedWeights):
-                named = push.copy(list(named), None if adapter else self._servers_dtype(required=delta), self.bucket_bytes)
+                named = push.copy(list(named), None if adapter else self._servers_dtype(required=delta and self._last_pushed is None), self.bucket_bytes)
             with self._fleet_lock:  # a replica put back from here on is put back with these weights
-                last, self._last_pushed = self._last_pushed, (version, named, adapter)
+                self._pushes += 1
+                last, self._last_pushed = self._last_pushed, _Pushed(version, named, adapter, self._pushes)
                 urls = self.fleet.up()
-            return self._push_all(urls, named, version, force, adapter, push, last if delta else None)
+            return self._push_all(urls, self._last_pushed, force, push, last if delta else None)
         finally:
             push.close()
 
-    def _push_all(self, urls: list[str], named, version: int, force: bool, adapter: bool, push: Push, last) -> list[int]:
-        """push_weights' update to each server up; `last`: the push before, where a delta may go against it."""
-        against = _Delta(last[0], last[1], named, self.bucket_bytes) if last is not None and not last[2] and last[0] == version - 1 else None
+    def _push_all(self, urls: list[str], this: "_Pushed", force: bool, push: Push, last: "_Pushed | None") -> list[int]:
+        """push_weights' update to each server up; `last`: the push before, where a delta may go
+        against it (the version before, in the same dtype: a replica restarted with another
+        --dtype changes the copy's)."""
+        named, version, adapter = this.named, this.version, this.adapter
+        against = None
+        if last is not None and not last.adapter and last.version == version - 1 and _dtypes_of(last.named) == _dtypes_of(named):
+            against = _Delta(last.version, last.named, named, self.bucket_bytes)
         self._sent = []
 
         def one(url):
-            # A server that restarts mid-update gets the whole update again, forced (it is at version 0).
+            # A server that restarts mid-update gets the whole update again, forced (it is at
+            # version 0), and so does one that refuses it as not its next version (409): a
+            # replica at another version is resynced, never a reason to stop the run.
             first = [True]
+            delta = against if url in self._dtypes and {getattr(torch, self._dtypes[url])} == _dtypes_of(named) else None  # its bits are of the replica's dtype
 
             def attempt():
                 forced = force or not first[0]
                 first[0] = False
-                return self._push_one(url, named, version, forced, adapter, None if forced else against, push)
+                try:
+                    return self._push_one(url, named, version, forced, adapter, None if forced else delta, push, this.seq)
+                except RolloutServerError as exc:
+                    if forced or exc.status != 409:
+                        raise
+                    log.warning(f"rollout server {url} refused the update to version {version} ({exc}); sending it whole")
+                    return self._push_one(url, named, version, True, adapter, None, push, this.seq)
 
             return self._retrying(attempt)
 
@@ -388,16 +407,25 @@ class RolloutClient:
         dtypes = sorted(set(self._dtypes.values()))
         if len(dtypes) > 1 and required:
             raise ValueError(f"delta_weight_updates needs rollout servers of one dtype, these hold {dtypes}: start them with one --dtype, or turn it off")
+        if len(dtypes) > 1 and self.delta and self._mixed_said != dtypes:  # one restarted with another --dtype: whole weights until they agree
+            self._mixed_said = dtypes
+            log.warning(f"the rollout servers hold weights in {dtypes}: pushes send whole weights until they hold one (a delta's bits are of one dtype)")
         return getattr(torch, dtypes[0]) if len(dtypes) == 1 else None
 
     def _push_one(self, url: str, named: list[tuple[str, torch.Tensor]], version: int, force: bool, adapter: bool, against: "_Delta | None" = None,
-                  push: Push | None = None) -> int:  # fmt: skip
+                  push: Push | None = None, seq: int | None = None) -> int | None:  # fmt: skip
         """One update to one server. Updates to a server run one at a time (a server keeps only
         its newest unfinished update), each bound to the process it began on; an update that
         process already committed (a resync by the generating thread) is not sent twice.
         `against`: a delta from the version that server holds, if it holds it. `push`: the
-        push's transports, whose shared memory is made once for all the servers that map it."""
+        push's transports, whose shared memory is made once for all the servers that map it.
+        `seq`: the push_weights call it is of; one that a newer call superseded is dropped (None
+        returned). A replica taken out mid-push leaves its update's thread running: resynced
+        and put back, it got the newest weights, and that thread, forced after the restart, sent
+        its stale update over them (a replica at version 4 serving as 12)."""
         with self._push_locks[url]:
+            if seq is not None and self._last_pushed is not None and seq != self._last_pushed.seq:
+                return None
             instance = self._instances.get(url)
             if instance is not None and self._committed.get(url) == (instance, version):
                 return version
@@ -562,17 +590,32 @@ class RolloutClient:
             return
         while True:
             pushed = self._last_pushed
-            if pushed is not None and (health["instance_id"] != self._instances.get(url) or health["version"] != pushed[0]):
+            if pushed is not None:
                 if health["instance_id"] != self._instances.get(url):
                     self._retrying(lambda: self._check_restart(url, self._instances.get(url), 0.0))  # resyncs a new process
-                else:
-                    self._retrying(lambda: self._push_one(url, pushed[1], pushed[0], True, pushed[2]))
-            with self._fleet_lock:
-                if self._last_pushed is pushed:
+                elif not self._holds(url, pushed):
+                    self._retrying(lambda: self._push_one(url, pushed.named, pushed.version, True, pushed.adapter, seq=pushed.seq))
+            with self._fleet_lock:  # no push starts until it is back, or not
+                if self._last_pushed is pushed and (pushed is None or self._holds(url, pushed)):
                     self.fleet.mark_up(url)
-                    log.warning(f"rollout server {url} answers again; it holds version {pushed[0] if pushed else health['version']} and is back in the fleet")
+                    log.warning(f"rollout server {url} answers again; it holds version {pushed.version if pushed else health['version']} "
+                                "(read from it, with its fingerprint) and is back in the fleet")  # fmt: skip
                     return
             health = self._call("GET", url, "/health", "a health check")
+
+    def _holds(self, url: str, pushed: "_Pushed") -> bool:
+        """Whether the replica holds `pushed`: its version and fingerprint as read from it, against
+        the push's weights in the replica's dtype (adapters as sent)."""
+        served = self.fingerprint(url)
+        if served.get("version") != pushed.version:
+            return False
+        dtype = None if pushed.adapter else self._dtypes.get(url)
+        key = (pushed.seq, dtype)
+        if key not in self._fingerprints:
+            cast = getattr(torch, dtype) if dtype else None
+            self._fingerprints = {k: v for k, v in self._fingerprints.items() if k[0] == pushed.seq}  # older pushes' are of no use
+            self._fingerprints[key] = fingerprint(((n, t if cast is None else t.to(cast)) for n, t in in_name_order(pushed.named)), ordered=True)
+        return served.get("adapter_fingerprint" if pushed.adapter else "fingerprint") == self._fingerprints[key]
 
     def close(self, timeout: float = 5.0) -> None:
         """End the watch and the claim's renewal, and wait for their threads, `timeout` seconds in
@@ -589,6 +632,20 @@ class RolloutClient:
 def _started(fn, items: Iterable) -> list[tuple[Future, threading.Thread]]:
     """fn(item) for each item, each in a daemon thread of its own; their futures and threads."""
     return [in_thread(fn, item, name="tandem-client") for item in items]
+
+
+class _Pushed(NamedTuple):
+    """One push_weights call: its version, its copy of the weights, whether they are adapters,
+    and its place among the client's pushes."""
+
+    version: int
+    named: object  # list[tuple[str, torch.Tensor]] | StagedWeights
+    adapter: bool
+    seq: int
+
+
+def _dtypes_of(named) -> set:
+    return {t.dtype for _, t in named} if not isinstance(named, StagedWeights) else set()
 
 
 class _Delta:
