@@ -385,11 +385,11 @@ class RolloutClient:
         """What the last push_weights sent, all servers together."""
         return sum(self._sent)
 
-    def _read_info(self, url: str, instance: str | None = None) -> dict:
+    def _read_info(self, url: str) -> dict:
         """A server's /info: what its process holds and where it runs (its dtype, vocabulary,
         host and GPU), read at the start and again after every restart (it may come back with
         another --dtype)."""
-        info = self._call("GET", url, "/info", "an info request", instance)
+        info = self._call("GET", url, "/info", "an info request")
         try:
             self._dtypes[url], self._vocab[url] = str(info["dtype"]), int(info["vocab_size"])
             self._places[url] = (info["host_id"] == host_id(), info.get("cuda_device"))
@@ -594,6 +594,7 @@ class RolloutClient:
                 if health["instance_id"] != self._instances.get(url):
                     self._retrying(lambda: self._check_restart(url, self._instances.get(url), 0.0))  # resyncs a new process
                 elif not self._holds(url, pushed):
+                    self._committed.pop(url, None)  # whatever it committed, it does not hold this push: sent again
                     self._retrying(lambda: self._push_one(url, pushed.named, pushed.version, True, pushed.adapter, seq=pushed.seq))
             with self._fleet_lock:  # no push starts until it is back, or not
                 if self._last_pushed is pushed and (pushed is None or self._holds(url, pushed)):
