@@ -23,7 +23,8 @@ from tandem.demo import addition_rows, write_jsonl
 from tandem.engines.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.agents import AgentFunction, AgentOptions
 from tandem.rollout.multiturn import Prompt, turn_seed
-from tandem.rollout.types import SamplingParams
+from tandem.rollout.types import Completion, SamplingParams
+from tandem.server import openai_protocol as O
 from tandem.server.sessions import SessionServing, SessionStore
 
 PARAMS = SamplingParams(max_tokens=64)
@@ -253,3 +254,50 @@ def test_an_unmodified_agents_sdk_agent_trains_on_the_engines_tokens_after_it_re
     # the second run rewrote the first question: a new row, rendered from its request, whose turns are the engine's
     assert traj.info["agent"]["new_rows"] == 1 and "Once more:" in tok.decode(traj.prompt_ids)
     _assert_engine_tokens(local, traj, 9)
+
+
+@pytest.mark.quick
+def test_a_sessions_turns_join_as_the_template_renders_them_and_each_answer_reports_its_own_prompt(local):
+    # The engine's answers are scripted here (the session's one boundary: submit): turns that
+    # end with the model's own <|im_end|>, which a random tiny model rarely writes.
+    _, tok = local
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    answers = [tok.encode("Hi", add_special_tokens=False) + [im_end], tok.encode("Yes", add_special_tokens=False) + [im_end],
+               tok.encode("Maybe so, yes", add_special_tokens=False)]  # fmt: skip
+
+    async def submit(ids, max_tokens, seed):
+        ids = answers.pop(0)
+        return Completion(ids, [-0.5] * len(ids), "stop" if ids[-1] == im_end else "length", 0)
+
+    store = SessionStore()
+    serving = SessionServing(store, tok, "policy", PARAMS, {}, "hermes", max_context=1024)
+    session = store.open(1, submit, 8, 64)
+    messages = [{"role": "user", "content": "2+3="}]
+
+    async def conversation():
+        replies = []
+        for follow_up, stop in (("Sure?", None), ("Why?", None), (None, [" so"])):
+            reply = await serving.session_chat(session.id, O.ChatCompletionRequest(model="policy", messages=messages, stop=stop))
+            replies.append(reply)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            if follow_up:
+                messages.append({"role": "user", "content": follow_up})
+        return replies
+
+    first, second, third = asyncio.run(conversation())
+    (row,) = store.close(session.id)
+    # 1. one <|im_end|> after each finished turn: the row is what the template renders
+    through_second = len(second.prompt_token_ids) + len(second.choices[0].token_ids)
+    rendered = tok.apply_chat_template(messages[:4], tokenize=False)  # the prompt and the first two turns
+    assert tok.decode((row.prompt_ids + row.ids)[:through_second], skip_special_tokens=False) == rendered.rstrip("\n")
+    assert "<|im_end|><|im_end|>" not in tok.decode(row.ids, skip_special_tokens=False)
+    # 2. each answer's prompt is the context before it (it was read after the answer joined the row)
+    assert first.prompt_token_ids == row.prompt_ids and first.usage.prompt_tokens == len(row.prompt_ids)
+    assert second.prompt_token_ids + second.choices[0].token_ids == (row.prompt_ids + row.ids)[: len(second.prompt_token_ids) + len(second.choices[0].token_ids)]
+    assert third.prompt_token_ids == (row.prompt_ids + row.ids)[: len(third.prompt_token_ids)]
+    # 3. a turn cut at a stop string is answered and trained as stopped, not as truncated
+    assert third.choices[0].finish_reason == "stop" and third.choices[0].message.content == "Maybe" and row.finish == "stop"
+    # the glue leaves out the start of what the template writes only where the model wrote it as
+    # its stop token: a turn cut after a "<" keeps the template's <|im_end|>
+    glue, more = serving.glue(None), [{"role": "user", "content": "q"}]
+    assert glue.inserted("x<|im_end|>", more)[0] != im_end and glue.inserted("x<", more)[0] == im_end

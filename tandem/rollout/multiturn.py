@@ -130,6 +130,7 @@ class TemplateGlue:
         self.tokenizer, self.kwargs, self.where = tokenizer, template_kwargs, where
         self.base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PLACEHOLDER}]
         self.rewrites_warned = False
+        self.special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())  # texts of whole template tokens
 
     def render(self, messages: list, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs)
@@ -146,7 +147,9 @@ class TemplateGlue:
                                   "multi-turn rollouts need a template that does")  # fmt: skip
         after = full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         for k in range(min(len(after), len(turn_text), _STOP_TEXT_CHARS), 0, -1):
-            if turn_text.endswith(after[:k]):
+            # only what the model wrote as whole tokens of the template's (its stop token): a
+            # turn cut after a `<` keeps the <|im_end|> the template writes
+            if turn_text.endswith(after[:k]) and (not after[:k].strip() or after[:k].strip() in self.special):
                 after = after[k:]
                 break
         return self.tokenizer(after, add_special_tokens=False)["input_ids"]

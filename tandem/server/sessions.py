@@ -60,8 +60,10 @@ class Row:
     chat: bool = True  # made by /v1/chat/completions (else /v1/completions, on token ids)
 
     def last_turn(self) -> list[int]:
-        """The model's last turn: the run of mask 1 at the end."""
-        n = len(self.mask) - next((k for k, m in enumerate(reversed(self.mask)) if not m), len(self.mask))
+        """The model's last turn: the run of mask 1 at the end (all of ids after the first turn,
+        where nothing is inserted yet: it counted 0 there, and the glue wrote a second
+        <|im_end|> after the model's own)."""
+        n = next((k for k, m in enumerate(reversed(self.mask)) if not m), len(self.mask))
         return self.ids[len(self.ids) - n :] if n else []
 
 
@@ -139,9 +141,11 @@ class Session:
             self.engine_error = exc
             raise
 
-    def record(self, turn: Turn, out: Completion, ids: list[int], reply: dict, glue: TemplateGlue | None) -> None:
+    def record(self, turn: Turn, out: Completion, ids: list[int], reply: dict, glue: TemplateGlue | None, finish: str) -> None:
         """The turn's inserted tokens and the model's answer (`ids`, the engine's tokens up to
-        where the answer ends) join its row; `reply`, the answer as the client gets it."""
+        where the answer ends) join its row; `reply`, the answer as the client gets it; `finish`
+        its finish reason as answered (a turn cut at a stop string is `stop`, whatever the
+        engine's was)."""
         with self._guard:
             if self.closed:
                 return  # the agent's episode was ended meanwhile: nothing more joins it
@@ -154,7 +158,7 @@ class Session:
             row.versions.append(out.version)
             row.messages += turn.new_messages + [reply]
             full = len(row.ids) >= self.max_tokens
-            row.finish = "length" if out.finish_reason == "length" or (full and out.finish_reason != "stop") else "stop"
+            row.finish = "length" if finish == "length" or (full and finish != "stop") else "stop"
 
     def close(self) -> list[Row]:
         with self._guard:
@@ -238,9 +242,11 @@ class SessionServing(OpenAIServing):
         async with session.lock:
             turn = await self.rendered(session.chat_turn, messages, tools, lambda: self.chat_prompt(req), self.glue)
             out = await session.generate(turn, req.limit())
+            prompt = turn.context  # before record() joins the answer to the row
             choice = self._chat_choice(0, out, req, bool(req.tools) and req.tool_choice != "none")
-            session.record(turn, out, choice.token_ids, _template_message(O.Message(**choice.message.model_dump())), self.glue(tools))
-        return self._chat_response(req, turn.context, [choice], out.version)
+            finish = "length" if choice.finish_reason == "length" else "stop"  # tool_calls: the turn stopped
+            session.record(turn, out, choice.token_ids, _template_message(O.Message(**choice.message.model_dump())), self.glue(tools), finish)
+        return self._chat_response(req, prompt, [choice], out.version)
 
     async def session_complete(self, sid: str, req: O.CompletionRequest) -> O.Completion:
         session = self.store.get(sid)
@@ -249,10 +255,11 @@ class SessionServing(OpenAIServing):
         async with session.lock:
             turn = session.text_turn(prompt)
             out = await session.generate(turn, req.limit())
+            prompt = turn.context  # before record() joins the answer to the row
             choice = self._text_choice(0, out, req)
-            session.record(turn, out, choice.token_ids, {"role": "assistant", "content": choice.text}, None)
+            session.record(turn, out, choice.token_ids, {"role": "assistant", "content": choice.text}, None, choice.finish_reason)
         return O.Completion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=req.model, choices=[choice],
-                            usage=_usage(turn.context, [choice]), prompt_token_ids=turn.context, version=out.version)  # fmt: skip
+                            usage=_usage(prompt, [choice]), prompt_token_ids=prompt, version=out.version)  # fmt: skip
 
     def _check_sampling(self, req) -> None:
         """A session samples as the run does: its behaviour log-probs must be the policy's at the
