@@ -92,7 +92,7 @@ def test_two_processes_train_exactly_like_one_with_twice_the_batch(tiny_model, d
     collectives = same_collectives(tmp_path / "trace")
     assert collectives.count("gather rewards") == 4 and collectives.count("backward (gradients synced)") == 4
     assert ("barrier servers hold the run's weights" in collectives) == mode.startswith("server")
-    assert ("together: rounds ahead generated" in collectives) == mode.startswith("server_async")
+    assert ("all together: rounds ahead generated" in collectives) == mode.startswith("server_async")
     (one, one_c), (two, two_c) = read(tmp_path / "one"), read(tmp_path / "two")
     assert len(one) == len(two) == 4  # rank 0 alone writes the log
     assert [m["reward"] for m in one] == [m["reward"] for m in two]  # the same completions, gathered

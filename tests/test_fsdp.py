@@ -231,7 +231,7 @@ def test_fsdp_with_a_rollout_server_trains_like_ddp_and_pushes_what_it_trains(en
         sharded, extra = tmp_path / "fsdp", ["--max_staleness", "2", "--max_tokens_per_round", "8"]
         train(2, server_args(ender, data, sharded, server.url, mode, "--fsdp", "full_shard", *extra), trace=tmp_path / "trace-async")
     collectives = same_collectives(sharded.parent / f"trace-{mode}")
-    assert "gather weights" in collectives and ("together: rounds ahead generated" in collectives) == (mode == "async")
+    assert "gather weights" in collectives and ("all together: rounds ahead generated" in collectives) == (mode == "async")
     train(2, server_args(ender, data, tmp_path / "ddp", server.url, mode, *extra))
     assert_trains_alike(sharded, tmp_path / "ddp")  # and verify_weight_sync checked every push's fingerprint
     assert not list(sharded.glob(".push-*")), "the staged pushes are removed at the end"

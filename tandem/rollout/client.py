@@ -16,7 +16,7 @@ from tandem.aio import in_thread
 from tandem.rollout.fleet import BALANCES, Fleet
 from tandem.rollout.types import FINISH_REASONS, Completion, SamplingParams
 from tandem.rollout.transports import TRANSPORTS, Push
-from tandem.rollout.weights import StagedWeights, buckets, compress_delta, cuda_device_id, fingerprint, host_id, in_name_order, shm_available, xor_bits
+from tandem.rollout.weights import StagedWeights, buckets, compress_delta, cuda_device_id, fingerprint, fingerprint_as, host_id, shm_available, xor_bits
 
 log = logging.getLogger("tandem")
 RETRY_STATUS = {502, 503, 504}  # the server is (re)starting or overloaded: try again
@@ -353,8 +353,8 @@ class RolloutClient:
         against it (the version before, in the same dtype: a replica restarted with another
         --dtype changes the copy's)."""
         named, version, adapter = this.named, this.version, this.adapter
-        against = None
-        if last is not None and not last.adapter and last.version == version - 1 and _dtypes_of(last.named) == _dtypes_of(named):
+        dtypes, against = _dtypes_of(named), None
+        if last is not None and not last.adapter and last.version == version - 1 and _dtypes_of(last.named) == dtypes:
             against = _Delta(last.version, last.named, named, self.bucket_bytes)
         self._sent = []
 
@@ -363,7 +363,7 @@ class RolloutClient:
             # version 0), and so does one that refuses it as not its next version (409): a
             # replica at another version is resynced, never a reason to stop the run.
             first = [True]
-            delta = against if url in self._dtypes and {getattr(torch, self._dtypes[url])} == _dtypes_of(named) else None  # its bits are of the replica's dtype
+            delta = against if url in self._dtypes and {getattr(torch, self._dtypes[url])} == dtypes else None  # its bits are of the replica's dtype
 
             def attempt():
                 forced = force or not first[0]
@@ -613,9 +613,8 @@ class RolloutClient:
         dtype = None if pushed.adapter else self._dtypes.get(url)
         key = (pushed.seq, dtype)
         if key not in self._fingerprints:
-            cast = getattr(torch, dtype) if dtype else None
             self._fingerprints = {k: v for k, v in self._fingerprints.items() if k[0] == pushed.seq}  # older pushes' are of no use
-            self._fingerprints[key] = fingerprint(((n, t if cast is None else t.to(cast)) for n, t in in_name_order(pushed.named)), ordered=True)
+            self._fingerprints[key] = fingerprint_as(pushed.named, getattr(torch, dtype) if dtype else None)
         return served.get("adapter_fingerprint" if pushed.adapter else "fingerprint") == self._fingerprints[key]
 
     def close(self, timeout: float = 5.0) -> None:

@@ -32,6 +32,12 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor]], ordered: bool = False
     return h.hexdigest()
 
 
+def fingerprint_as(named, dtype: torch.dtype | None) -> str:
+    """fingerprint() of `named` as a server holding `dtype` holds them (cast to it; None: as they
+    are), a tensor at a time in name order."""
+    return fingerprint(((n, t if dtype is None else t.to(dtype)) for n, t in in_name_order(named)), ordered=True)
+
+
 def in_name_order(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) sorted by name; StagedWeights load each tensor only when it is reached."""
     return named.sorted() if isinstance(named, StagedWeights) else iter(sorted(named, key=lambda kv: kv[0]))

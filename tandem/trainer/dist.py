@@ -70,13 +70,7 @@ class Dist:
             result = fn()
         except errors as exc:
             error = exc
-        self.enter(f"together: {what}")
-        failed = error is not None
-        if self.world > 1:
-            t = torch.tensor([float(failed)], device=self.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            failed = bool(t.item())
-        if failed:
+        if not self.all_collective(error is None, f"together: {what}"):
             error = error or instead()
             error.every_rank = True
             raise error

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.rollout.client import RemoteEngine, RolloutClient, RolloutServerError
-from tandem.rollout.weights import StagedWeights, fingerprint, in_name_order
+from tandem.rollout.weights import StagedWeights, fingerprint, fingerprint_as
 from tandem.trainer.setup import lent_threads, trainer_threads
 
 Named = list[tuple[str, torch.Tensor]] | StagedWeights  # StagedWeights when training is sharded
@@ -120,8 +120,7 @@ class Servers:
         hashes: dict[str, str] = {}
         for info in self.infos:
             if info["dtype"] not in hashes:
-                dtype = getattr(torch, info["dtype"])
-                hashes[info["dtype"]] = fingerprint(((n, t.to(dtype)) for n, t in in_name_order(named)), ordered=True)
+                hashes[info["dtype"]] = fingerprint_as(named, getattr(torch, info["dtype"]))
         return [hashes[info["dtype"]] for info in self.infos]
 
     def _check_base(self, served: list[dict], expected: dict[str, str]) -> None:

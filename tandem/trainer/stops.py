@@ -5,7 +5,6 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 
 from tandem.rollout.client import RolloutServerError
 from tandem.trainer.checkpoint import where_to_resume
