@@ -147,8 +147,8 @@ class Fleet:
         """`indices` (of `prompts`) shared among the replicas up: each replica's share by the
         balance, filled first with the sequences whose prefix it holds (the longest prompt it
         served that the sequence begins with), then in order."""
-        with self._changed:  # served() changes the balance's measurements from the replicas' threads
-            urls = [u for u in self.urls if u not in self.down]
+        with self._changed:  # served() changes the balance's measurements from the replicas' threads (an RLock: up() takes it too)
+            urls = self.up()
             if len(urls) <= 1:
                 return [(url, list(indices)) for url in urls]
             quota = dict(zip(urls, self.balance.shares(len(indices), urls)))
