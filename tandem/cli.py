@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.trainer.config import ConfigError
         from tandem.trainer.metrics import LogWriteError
         from tandem.trainer.producer import RoundTimeout
-        from tandem.trainer.stops import OtherRankFailed
+        from tandem.trainer.stops import AgentsFailing, OtherRankFailed
 
         parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, RewardError, TrajectoryError, FileNotFoundError) as exc:
         _report(f"{'config error: ' if isinstance(exc, ConfigError) else ''}{exc}")
         return 2
-    except (RolloutServerError, RoundTimeout, OtherRankFailed, CheckpointError, LogWriteError) as exc:
+    except (RolloutServerError, RoundTimeout, OtherRankFailed, AgentsFailing, CheckpointError, LogWriteError) as exc:
         _report(str(exc))
         return 1
 

@@ -25,7 +25,7 @@ from tandem.rollout.agents import AgentFunction, AgentOptions
 from tandem.rollout.multiturn import Prompt, turn_seed
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.server import openai_protocol as O
-from tandem.server.sessions import SessionServing, SessionStore
+from tandem.server.sessions import Bounds, SessionServing, SessionStore
 
 PARAMS = SamplingParams(max_tokens=64)
 QUESTIONS = ["2+3=", "4+1="]
@@ -38,10 +38,10 @@ def local(tiny_model):
     return TransformersEngine(lm, eos_token_ids(tok, lm.generation_config, str(tiny_model)), tok.pad_token_id), tok
 
 
-def _run(local, fn, seeds=(11, 22), timeout=30.0, failure="drop", max_turns=8, max_len=64, min_version=0):
+def _run(local, fn, seeds=(11, 22), timeout=30.0, failure="drop", max_turns=8, max_len=64, min_version=0, max_prompt=None):
     engine, tok = local
     agents = AgentFunction(fn, "test:agent", tok, SessionServing(SessionStore(), tok, "policy", PARAMS, {}, "hermes", max_context=1024),
-                           AgentOptions(timeout, max_turns, max_len, failure))  # fmt: skip
+                           AgentOptions(timeout, Bounds(max_turns, max_len, max_prompt, 1024), failure))  # fmt: skip
     prompts = []
     for q in QUESTIONS[: len(seeds)]:
         messages = [{"role": "user", "content": q}]
@@ -271,7 +271,7 @@ def test_a_sessions_turns_join_as_the_template_renders_them_and_each_answer_repo
 
     store = SessionStore()
     serving = SessionServing(store, tok, "policy", PARAMS, {}, "hermes", max_context=1024)
-    session = store.open(1, submit, 8, 64)
+    session = store.open(1, submit, Bounds(8, 64))
     messages = [{"role": "user", "content": "2+3="}]
 
     async def conversation():
@@ -301,3 +301,90 @@ def test_a_sessions_turns_join_as_the_template_renders_them_and_each_answer_repo
     # its stop token: a turn cut after a "<" keeps the template's <|im_end|>
     glue, more = serving.glue(None), [{"role": "user", "content": "q"}]
     assert glue.inserted("x<|im_end|>", more)[0] != im_end and glue.inserted("x<", more)[0] == im_end
+
+
+async def _past_bounds(row, client):
+    """Requests past each bound an agent can reach; each is refused to it, and the episode ends
+    with one that fits."""
+    refused = {}
+    asks = {
+        "context": lambda: client.chat.completions.create(model="any", messages=[{"role": "user", "content": " 7" * 1500}], max_tokens=2),
+        "max_prompt_length": lambda: client.chat.completions.create(model="any", messages=[{"role": "user", "content": " 7" * 300}], max_tokens=2),
+        "vocabulary": lambda: client.completions.create(model="any", prompt=[1, 2, 10**6], max_tokens=2),
+        "negative": lambda: client.completions.create(model="any", prompt=[1, -3], max_tokens=2),
+    }
+    for name, ask in asks.items():
+        try:
+            await ask()
+        except openai.BadRequestError as exc:
+            refused[name] = exc.message
+    REFUSED[:] = [refused]
+    answer = await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=3)
+    return float(bool(answer.choices[0].token_ids))
+
+
+def test_a_request_past_the_context_the_prompt_bound_or_the_vocabulary_is_that_agents_400_and_the_round_goes_on(local):
+    # Before, the over-long prompt trained past the model's 1,024 positions colocated (and
+    # stopped the run in server mode), and the ids outside the vocabulary failed the round.
+    (traj, other), _ = _run(local, _past_bounds, seeds=(5, 6), max_prompt=200)
+    (refused,) = REFUSED
+    assert "model's context (1024" in refused["context"] and "max_prompt_length=200" in refused["max_prompt_length"], refused
+    assert "token id 1000000 is outside the model's vocabulary" in refused["vocabulary"] and "token id -3" in refused["negative"], refused
+    # the agents' last requests trained; a refusal by a bound is no error of theirs
+    for t in (traj, other):
+        assert not t.info["agent"]["error"] and t.info["environment_reward"] == 1.0 and t.info["turns"] == 1
+    _assert_engine_tokens(local, traj, 5)
+
+
+async def _exits(row, client):
+    await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=2)
+    raise SystemExit(3)
+
+
+async def _interrupts(row, client):
+    raise KeyboardInterrupt
+
+
+async def _cancels_itself(row, client):
+    raise asyncio.CancelledError
+
+
+async def _absurd(row, client):
+    return 10**400
+
+
+async def _ignores_cancellation(row, client):
+    while True:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # and goes on
+
+
+@pytest.mark.quick
+def test_every_way_an_agent_ends_is_its_own_failure_never_the_runs(local):
+    # Each of these ended the run before (sys.exit's code as the run's, rc -2, a traceback), or
+    # held it for ever (an agent that swallows its cancellation).
+    for fn, expected in [(_exits, "sys.exit(3)"), (_interrupts, "KeyboardInterrupt"), (_cancels_itself, "CancelledError: the agent raised it"),
+                         (_absurd, "an integer of 1329 bits; return a finite number")]:  # fmt: skip
+        (traj,), _ = _run(local, fn, seeds=(5,))
+        assert traj.info["agent"]["error"] and expected in traj.info["agent"]["why"], traj.info["agent"]
+        assert traj.finish_reason == "error"  # dropped (agent_failure drop)
+
+    async def one_stuck(row, client):
+        return await (_ignores_cancellation if row["prompt"][-1]["content"] == QUESTIONS[0] else _ask_twice)(row, client)
+
+    start = time.monotonic()
+    (stuck, fine), _ = _run(local, one_stuck, timeout=3.0)
+    assert time.monotonic() - start < 3.0 + 5.0 and stuck.info["agent"]["timeout"] and not fine.info["agent"]["timeout"]
+
+
+def test_glues_kept_for_the_tools_agents_send_are_bounded(local):
+    # An agent that sends tools of its own each time (one list per task) grew the trainer by a
+    # glue each: 250 MB a step.
+    _, tok = local
+    serving = SessionServing(SessionStore(), tok, "policy", PARAMS, {}, "hermes", max_context=1024)
+    for k in range(3 * SessionServing.GLUES):
+        serving.glue([{"type": "function", "function": {"name": f"tool_{k}", "parameters": {"type": "object", "properties": {}}}}])
+    assert len(serving._glues) == SessionServing.GLUES
+    assert serving.glue(None) is serving.glue(None)  # the one in use stays kept

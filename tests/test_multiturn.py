@@ -1012,6 +1012,20 @@ def test_a_colocated_lora_agent_run_generates_each_turn_with_the_rounds_adapters
     assert any(saved[name].abs().max() > 0 for name in saved if "lora_B" in name)
 
 
+def test_a_run_whose_agents_mostly_fail_stops_with_their_first_error_and_keeps_what_it_trained(tool_model, files, tmp_path):
+    # Such a run (every agent's request a 404 or a 400) ended with exit code 0 and a warning that
+    # blamed the dataset's columns; the agents' error was only in completions.jsonl.
+    folder, data = files
+    (folder / "broken_agent.py").write_text("async def broken(row, client):\n    raise RuntimeError('the agent cannot reach its tool')\n")
+    out = tmp_path / "run"
+    proc = cli_here("train", *_args(tool_model, data, out, 8, "--max_steps", "2", "--reward_funcs", "environment",
+                                    "--agent_func", f"{folder / 'broken_agent.py'}:broken"))  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "more than half of the agents failed on each of the last 2 steps (100% on the last)" in proc.stderr, proc.stderr[-2000:]
+    assert "the first failure here, 16 times: RuntimeError: the agent cannot reach its tool" in proc.stderr  # 8 agents a round, 2 rounds
+    assert "trained 2 of 2 steps" in proc.stderr and (out / "checkpoint-2").is_dir() and "Traceback" not in proc.stderr
+
+
 def test_a_killed_async_agent_run_resumes_bitwise_from_rounds_of_whole_sessions(tool_model, files, server, tmp_path):
     # Without the off-policy correction: the server batches the agents' requests as they arrive
     # over HTTP, which can move the last bits of the behaviour log-probs (never a token), and the

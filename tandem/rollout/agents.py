@@ -26,20 +26,24 @@ from seed turn_seed(its seed, k), so a deterministic agent reproduces its tokens
 
 import asyncio
 import inspect
+import logging
+import math
 import threading
+import time
 from dataclasses import dataclass
 
 from tandem.rollout.multiturn import CoroutineRollouts, Prompt, Trajectory, TrajectoryError, _Batcher, _reward_number
 from tandem.rollout.types import Completion
 from tandem.server.gateway import Gateway
-from tandem.server.sessions import Row, SessionServing, SessionStore
+from tandem.server.sessions import Bounds, Row, SessionServing
+
+log = logging.getLogger("tandem")
 
 
 @dataclass(frozen=True)
 class AgentOptions:
     timeout: float  # agent_timeout: seconds for one episode
-    max_turns: int
-    max_completion_length: int
+    bounds: Bounds  # of each session: max_turns, max_completion_length, max_prompt_length, the context
     failure: str  # agent_failure: 'drop' or 'zero'
 
 
@@ -62,7 +66,25 @@ class AgentFunction(CoroutineRollouts):
         with self._lock:  # the producer's thread and the evaluator's
             if self.gateway is None:
                 self.gateway = Gateway(self.serving)
-        return super().generate(engine, prompts, params, seeds, min_version)
+        batcher, done = _Batcher(engine, params, min_version, len(prompts)), threading.Event()
+        threading.Thread(target=self._watch, args=(self.loop(), batcher, done), name="tandem-agent-watch", daemon=True).start()
+        try:
+            return self.loop().run_until_complete(self._all(batcher, prompts, seeds))
+        finally:
+            done.set()
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, batcher: _Batcher, done: threading.Event) -> None:
+        """Says, every agent_timeout once it has passed, that an agent holds the round's event
+        loop, if one does: an async def that blocks (time.sleep, a threading wait, a busy loop)
+        cannot be cancelled, and the round would wait on it with nothing said."""
+        start, timeout = time.monotonic(), self.options.timeout
+        while not done.wait(timeout + 5):
+            answered = threading.Event()
+            loop.call_soon_threadsafe(answered.set)
+            if not answered.wait(5) and not done.is_set() and not batcher.generating:
+                log.warning(f"agent_func {self.name}: an agent has held the round's event loop for {time.monotonic() - start:.0f}s, past "
+                            f"agent_timeout={timeout:g}s, and nothing in this process can end it: it blocks in an async def (time.sleep, "
+                            "a threading wait, a busy loop). Await instead (asyncio.sleep, asyncio.to_thread).")  # fmt: skip
 
     async def _one(self, batcher: _Batcher, prompt: Prompt, seed: int) -> Trajectory:
         loop = asyncio.get_running_loop()
@@ -72,15 +94,20 @@ class AgentFunction(CoroutineRollouts):
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(batcher.request(ids, max_tokens, turn_seed), loop))
 
         o = self.options
-        session = self.store.open(seed, submit, o.max_turns, o.max_completion_length)
+        session = self.store.open(seed, submit, o.bounds)
         client = self._openai.AsyncOpenAI(base_url=self.gateway.base_url(session.id), api_key=self.gateway.api_key, max_retries=0, timeout=o.timeout)
         result, error, timed_out = None, None, False
+        episode = asyncio.ensure_future(_contained(self.fn({"prompt": prompt.messages, **prompt.row}, client)))
         try:
-            result = await asyncio.wait_for(self.fn({"prompt": prompt.messages, **prompt.row}, client), o.timeout)
-        except TimeoutError:
-            timed_out = True
-        except (Exception, SystemExit) as exc:  # the agent's, not the run's: counted, and the run goes on
-            error = f"{type(exc).__name__}: {exc}"
+            # Not wait_for: it waits for the cancelled episode to end, and an agent that catches
+            # CancelledError and goes on would hold the round for ever. Past its time the episode
+            # is cancelled and left: its session is closed, so its requests get 404.
+            done, _ = await asyncio.wait({episode}, timeout=o.timeout)
+            if episode in done:
+                result, error = episode.result()
+            else:
+                episode.cancel()
+                timed_out = True
         finally:
             batcher.finished()
             rows = self.store.close(session.id)
@@ -93,7 +120,9 @@ class AgentFunction(CoroutineRollouts):
             try:
                 reward = _reward_number(result)
             except TrajectoryError:
-                failed, error = True, f"it returned {result!r}; return a number (its reward) or None"
+                reward = math.nan
+            if not math.isfinite(reward):
+                failed, error, reward = True, f"it returned {_short(result)}; return a finite number (its reward) or None", None
         return self._trajectory(rows, session.turns, failed, error, timed_out, reward, batcher.min_version)
 
     def _trajectory(self, rows: list[Row], requests: int, failed: bool, error: str | None, timed_out: bool, reward: float | None, min_version: int) -> Trajectory:
@@ -113,3 +142,25 @@ class AgentFunction(CoroutineRollouts):
     def close(self) -> None:
         if self.gateway is not None:
             self.gateway.close()
+
+
+async def _contained(episode) -> tuple[object, str | None]:
+    """The agent's result, or what ended it as text, whatever way it ended: sys.exit,
+    KeyboardInterrupt and a CancelledError of its own are its failure, never the run's (raised
+    in the task wait_for runs, SystemExit and KeyboardInterrupt would leave the event loop and end
+    the run with the agent's exit code). The cancellation at agent_timeout ends the task."""
+    try:
+        return await episode, None
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        return None, "CancelledError: the agent raised it, not cancelled by agent_timeout"
+    except SystemExit as exc:
+        return None, f"SystemExit: it called sys.exit({exc.code!r}); an agent ends by returning"
+    except BaseException as exc:  # noqa: BLE001 - the agent's, not the run's: counted, and the run goes on
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _short(value) -> str:
+    text = f"an integer of {value.bit_length()} bits" if isinstance(value, int) and value.bit_length() > 64 else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

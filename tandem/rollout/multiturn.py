@@ -509,7 +509,7 @@ def _reward_number(value) -> float | None:
         return None
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise TrajectoryError(f"environment_factory: get_reward returned {value!r}; return a number, or None for no opinion") from None
 
 
@@ -535,12 +535,15 @@ class CoroutineRollouts:
         # rounds: what the user's code keeps between calls (an HTTP client, a semaphore) stays
         # bound to the loop it runs on. In the calling thread, so that a colocated engine generates
         # under that thread's autocast, as the training forward computes.
+        return self.loop().run_until_complete(self._all(_Batcher(engine, params, min_version, len(prompts)), prompts, seeds))
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The calling thread's event loop."""
         if getattr(self._loops, "loop", None) is None:
             self._loops.loop = asyncio.new_event_loop()
-        return self._loops.loop.run_until_complete(self._all(engine, prompts, params, seeds, min_version))
+        return self._loops.loop
 
-    async def _all(self, engine, prompts, params, seeds, min_version):
-        batcher = _Batcher(engine, params, min_version, len(prompts))
+    async def _all(self, batcher: "_Batcher", prompts, seeds):
         return list(await asyncio.gather(*(self._one(batcher, p, s) for p, s in zip(prompts, seeds))))
 
     async def _one(self, batcher: "_Batcher", prompt: Prompt, seed: int) -> Trajectory:
@@ -658,6 +661,7 @@ class _Batcher:
         self.engine, self.params, self.min_version, self.running = engine, params, min_version, running
         self.waiting: list[tuple[list[int], int | None, int, asyncio.Future]] = []
         self.requests = 0  # made so far: a stall is no new one since a check was set
+        self.generating = False  # in the engine's call (which holds the event loop: a watchdog's to know)
 
     async def request(self, ids: list[int], max_tokens: int | None, seed: int) -> Completion:
         loop = asyncio.get_running_loop()
@@ -685,6 +689,7 @@ class _Batcher:
             return
         batch, self.waiting = self.waiting, []
         budget = max(m or self.params.max_tokens for _, m, _, _ in batch)
+        self.generating = True
         try:
             outs = self.engine.generate([b[0] for b in batch], replace(self.params, max_tokens=budget), [b[2] for b in batch], min_version=self.min_version)
         except Exception as exc:  # every waiting trajectory fails with the engine's error
@@ -692,6 +697,8 @@ class _Batcher:
                 if not future.done():
                     future.set_exception(exc)
             return
+        finally:
+            self.generating = False
         for (_, max_tokens, _, future), out in zip(batch, outs):
             if future.done():  # given up while the engine generated
                 continue

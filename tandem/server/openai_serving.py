@@ -45,6 +45,11 @@ class OpenAIServing:
         """Tokens the model's context holds: a prompt's bound."""
         return self.service.max_model_len
 
+    def vocab(self) -> int:
+        """Token ids a prompt may hold: [0, vocab)."""
+        self._tokenizer()  # NotReady before the model has loaded
+        return self.service.vocab_size
+
     def check_size(self, characters: int, messages: int = 0, field: str = "messages") -> None:
         """Refuse, before any rendering, a prompt that cannot fit the context whatever the
         template makes of it: each message renders to a token at least, and no token holds more
@@ -137,6 +142,10 @@ class OpenAIServing:
 
     async def text_prompt(self, req: O.CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):
+            vocab = self.vocab()
+            outside = next((t for t in req.prompt if not 0 <= t < vocab), None)
+            if outside is not None:
+                raise ValueError(f"prompt: token id {outside} is outside the model's vocabulary [0, {vocab})")
             return list(req.prompt)
         self.check_size(len(req.prompt), field="prompt")
         return await self.rendered(lambda: self._tokenizer()(req.prompt)["input_ids"])

@@ -16,8 +16,11 @@ row's tokens continues it, any other starts a row.
 
 The run decides how a session samples (its temperature, top_p, seeds), so that the behaviour
 log-probs are the ones the loss corrects against: a request that asks for other values, n > 1 or
-a seed is refused (400, naming the field). Bounds: max_turns requests, and max_completion_length
-tokens after a row's prompt; past either a request is refused (400) and the row ends there.
+a seed is refused (400, naming the field). Bounds (Bounds): max_turns requests, max_prompt_length
+tokens of a row's prompt, max_completion_length tokens after it, and the model's context; past
+any a request is refused (400, naming the bound) and the row ends there. Nothing an agent sends
+reaches the engine unless it fits: an over-long prompt or a token id outside the vocabulary is
+that agent's 400, never the round's failure.
 """
 
 import asyncio
@@ -26,6 +29,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -40,7 +44,17 @@ class UnknownSession(LookupError):
 
 
 class SessionLimit(ValueError):
-    """The session reached one of its bounds (max_turns, max_completion_length): 400."""
+    """The session reached one of its bounds (Bounds): 400."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one session may ask for; a request past any is refused, naming it."""
+
+    max_turns: int  # requests
+    max_tokens: int  # max_completion_length: tokens after a row's prompt, the model's and the inserted ones
+    max_prompt: int | None = None  # max_prompt_length: tokens of a row's prompt (its first request, rendered)
+    max_context: int | None = None  # the model's context (max_position_embeddings): prompt and completion
 
 
 @dataclass
@@ -87,9 +101,8 @@ Submit = Callable[[list[int], int, int], Awaitable[Completion]]
 
 
 class Session:
-    def __init__(self, sid: str, seed: int, submit: Submit, max_turns: int, max_tokens: int):
-        self.id, self.seed, self.submit = sid, seed, submit
-        self.max_turns, self.max_tokens = max_turns, max_tokens
+    def __init__(self, sid: str, seed: int, submit: Submit, bounds: Bounds):
+        self.id, self.seed, self.submit, self.bounds = sid, seed, submit, bounds
         self.rows: list[Row] = []
         self.turns = 0
         self.limited = False  # a bound refused a request: the agent's failure after it is the bound's
@@ -122,16 +135,24 @@ class Session:
         return row
 
     def _turn(self, row: Row, inserted: list[int], new_messages: list) -> Turn:
-        if self.turns >= self.max_turns:
-            self.limited = True
-            raise SessionLimit(f"this session has had max_turns={self.max_turns} requests; the agent's episode ends here")
-        room = self.max_tokens - len(row.ids) - len(inserted)
+        b = self.bounds
+        context = len(row.prompt_ids) + len(row.ids) + len(inserted)
+        if self.turns >= b.max_turns:
+            self._limit(row, f"this session has had max_turns={b.max_turns} requests")
+        if b.max_context is not None and context >= b.max_context:
+            self._limit(row, f"the conversation is {context} tokens, as many as the model's context ({b.max_context}, its "
+                             "max_position_embeddings) holds or more")  # fmt: skip
+        if b.max_prompt is not None and len(row.prompt_ids) > b.max_prompt:
+            self._limit(row, f"the prompt is {len(row.prompt_ids)} tokens, past max_prompt_length={b.max_prompt}")
+        room = b.max_tokens - len(row.ids) - len(inserted)
         if room < 1:
-            self.limited, row.finish = True, "length"
-            raise SessionLimit(f"this conversation has reached max_completion_length={self.max_tokens} tokens after its prompt; "
-                               "the agent's episode ends here")  # fmt: skip
+            self._limit(row, f"this conversation has reached max_completion_length={b.max_tokens} tokens after its prompt")
         self.turns += 1
-        return Turn(row, inserted, new_messages, room)
+        return Turn(row, inserted, new_messages, min(room, b.max_context - context) if b.max_context else room)
+
+    def _limit(self, row: Row, why: str) -> None:
+        self.limited, row.finish = True, "length"
+        raise SessionLimit(f"{why}; the agent's episode ends here")
 
     async def generate(self, turn: Turn, limit: int | None) -> Completion:
         seed = turn_seed(self.seed, self.turns - 1)
@@ -157,7 +178,7 @@ class Session:
             row.mask += [0] * len(turn.inserted) + [1] * len(ids)
             row.versions.append(out.version)
             row.messages += turn.new_messages + [reply]
-            full = len(row.ids) >= self.max_tokens
+            full = len(row.ids) >= self.bounds.max_tokens
             row.finish = "length" if finish == "length" or (full and finish != "stop") else "stop"
 
     def close(self) -> list[Row]:
@@ -193,8 +214,8 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
-    def open(self, seed: int, submit: Submit, max_turns: int, max_tokens: int) -> Session:
-        session = Session(secrets.token_urlsafe(18), seed, submit, max_turns, max_tokens)
+    def open(self, seed: int, submit: Submit, bounds: Bounds) -> Session:
+        session = Session(secrets.token_urlsafe(18), seed, submit, bounds)
         with self._lock:
             self._sessions[session.id] = session
         return session
@@ -221,16 +242,26 @@ class SessionServing(OpenAIServing):
         """`max_context`: the tokens the model's context holds (its max_position_embeddings)."""
         super().__init__(None, model_name, tool_parser, template_kwargs)
         self.store, self.tokenizer, self.params, self.max_context = store, tokenizer, params, max_context
-        self._glues: dict[str, TemplateGlue] = {}
+        # By the tools a request declares: agents that send a list of their own each (one per
+        # task) grew the trainer by 250 MB a step while this was unbounded.
+        self._glues: OrderedDict[str, TemplateGlue] = OrderedDict()
+
+    GLUES = 16  # tool lists whose glue is kept
 
     def context(self) -> int | None:
         return self.max_context
+
+    def vocab(self) -> int:
+        return len(self.tokenizer)
 
     def glue(self, tools: list | None) -> TemplateGlue:
         key = json.dumps(tools, sort_keys=True)
         if key not in self._glues:
             kwargs = {**self.template_kwargs, **({"tools": tools} if tools else {})}
             self._glues[key] = TemplateGlue(self.tokenizer, kwargs, f"the model {self.model_name}")
+            while len(self._glues) > self.GLUES:
+                self._glues.popitem(last=False)
+        self._glues.move_to_end(key)
         return self._glues[key]
 
     async def session_chat(self, sid: str, req: O.ChatCompletionRequest) -> O.ChatCompletion:

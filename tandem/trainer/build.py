@@ -45,7 +45,7 @@ from tandem.engines.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.agents import AgentFunction, AgentOptions
 from tandem.rollout.multiturn import MultiTurn, RolloutFunction, Rollouts, SingleTurn
 from tandem.rollout.tools import INVALID_CALL, UNKNOWN_TOOL, environment_tools, load_tools
-from tandem.server.sessions import SessionServing, SessionStore
+from tandem.server.sessions import Bounds, SessionServing, SessionStore
 from tandem.trainer import checkpoint, lora, metrics, sharding
 from tandem.trainer.batch import PrefixSharingLM
 from tandem.trainer.config import ConfigError, TrainConfig, resume_changes
@@ -434,7 +434,8 @@ def _agents(config: TrainConfig, tokenizer, template_kwargs: dict, max_len: int 
     try:
         fn = load_object(config.agent_func, "agent_func")
         serving = SessionServing(SessionStore(), tokenizer, config.model_name_or_path, config.sampling_params(), template_kwargs, config.tool_parser, max_len)
-        options = AgentOptions(config.agent_timeout, config.max_turns, config.max_completion_length, config.agent_failure)
+        bounds = Bounds(config.max_turns, config.max_completion_length, config.max_prompt_length, max_len)
+        options = AgentOptions(config.agent_timeout, bounds, config.agent_failure)
         return AgentFunction(fn, config.agent_func, tokenizer, serving, options)
     except (ValueError, OSError, ImportError, TypeError) as exc:
         raise ConfigError(str(exc)) from exc

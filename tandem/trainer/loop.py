@@ -26,9 +26,9 @@ from tandem.trainer import metrics
 from tandem.trainer.build import Run, build
 from tandem.trainer.config import TrainConfig
 from tandem.trainer.learner import NonFiniteStepError
-from tandem.trainer.metrics import IdleSteps, combine, completion_records, round_metrics
+from tandem.trainer.metrics import AgentFailures, IdleSteps, combine, completion_records, round_metrics
 from tandem.trainer.producer import Round, completion_seed
-from tandem.trainer.stops import FAILURES, Flag, OtherRankFailed, Preempted, after_failure, preempted, together_collective
+from tandem.trainer.stops import FAILURES, AgentsFailing, Flag, OtherRankFailed, Preempted, after_failure, preempted, together_collective
 
 __all__ = ["NonFiniteStepError", "Preempted", "train"]
 
@@ -72,6 +72,7 @@ def run_loop(run: Run) -> dict:
     s, state = run.schedule, run.state
     run.log.start(state.step)
     idle = IdleSteps(patience=10, skipped_before=state.skipped_steps)
+    agents = AgentFailures(patience=10) if s.agents else None
     last: dict = {}
     saved_at = state.step
     sigterm = Flag(signal.SIGTERM, s.sigterm_timeout, s.output_dir)
@@ -80,7 +81,7 @@ def run_loop(run: Run) -> dict:
             if bool(run.dist.sum_collective(torch.tensor([float(sigterm.is_set())]), "SIGTERM flags").item()):
                 raise Preempted(preempted(run, saved_at))
             before = state.step
-            last = train_round(run, idle) or last
+            last = train_round(run, idle, agents) or last
             if run.evaluator is not None and (state.step >= s.max_steps or _crossed(before, state.step, s.eval_steps)):
                 results = run.evaluator.run_collective(state.version)
                 if results is not None:
@@ -103,7 +104,7 @@ def run_loop(run: Run) -> dict:
     return last
 
 
-def train_round(run: Run, idle: IdleSteps) -> dict:
+def train_round(run: Run, idle: IdleSteps, agents: AgentFailures | None) -> dict:
     """One round: generate, prepare, then its optimizer steps, each logged; the round's weights
     are published after its last step."""
     s, state, learner = run.schedule, run.state, run.learner
@@ -159,6 +160,8 @@ def train_round(run: Run, idle: IdleSteps) -> dict:
                                                             batch.advantages, state.step, n), state.step)  # fmt: skip
             if publish_error is not None:
                 raise publish_error
+            if agents is not None and (failing := agents.after_step(record, rnd, state.step >= s.max_steps)):
+                raise AgentsFailing(f"step {state.step}: {failing}")
             if state.step >= s.max_steps:
                 return record
     return record

@@ -120,6 +120,40 @@ class IdleSteps:
         )
 
 
+class AgentFailures:
+    """Counts the steps in a row on which more than half of the agents failed (agents/errors and
+    agents/timeouts), and the first failure of them as this rank's agents said it. `patience` of
+    them, or every step of a run that ends sooner, stop the run: with most agents failing (a 404
+    or a 400 each time) such a run used to end with exit code 0, its agents' error only in
+    completions.jsonl. A few failing agents are agent_failure's to handle."""
+
+    def __init__(self, patience: int):
+        self.patience = patience
+        self.in_a_row = self.steps = self.failing = self.count = 0
+        self.first: str | None = None
+        self._round = -1
+
+    def after_step(self, record: dict, rnd, last: bool) -> str | None:
+        """The message once the run should stop, else None."""
+        failed = record["agents/errors"] + record["agents/timeouts"]
+        self.steps += 1
+        if failed <= 0.5:
+            self.in_a_row, self.first, self.count = 0, None, 0
+            return None
+        self.in_a_row, self.failing = self.in_a_row + 1, self.failing + 1
+        if rnd.index != self._round:  # a round's steps share its agents: count them once
+            self._round = rnd.index
+            agents = [ro.turns["agent"] for ro in rnd.rollouts]
+            whys = [a["why"] or "it ran past agent_timeout" for a in agents if a["error"] or a["timeout"]]
+            self.first = self.first or (whys[0] if whys else None)
+            self.count += whys.count(self.first)
+        if self.in_a_row < self.patience and not (last and self.failing == self.steps):
+            return None
+        first = f"the first failure here, {self.count} times: {self.first}" if self.first else "their failures were on other processes"
+        return (f"more than half of the agents failed on each of the last {self.in_a_row} steps ({failed:.0%} on the last); {first}. "
+                "agent_failure is for a few failing agents: fix what makes most of them fail")  # fmt: skip
+
+
 def peak_memory_gb() -> float:
     """This process's peak memory so far: allocated on its GPU, else resident on the host."""
     if torch.cuda.is_available():

@@ -17,9 +17,17 @@ class OtherRankFailed(RuntimeError):
     """This process stops because another training process failed at the same point of the round."""
 
 
+class AgentsFailing(RuntimeError):
+    """Most of the agents failed, step after step (metrics.AgentFailures): the run trains little
+    but noise, and the agents' own error is what to fix."""
+
+    every_rank = True  # decided on the step's record, the same on every rank
+
+
 # What stops a run between rounds with a checkpoint of what it trained: a rollout server gone or
-# refusing, a round that never came. Raised on every rank together (Dist.together_collective).
-FAILURES = (RolloutServerError, RoundTimeout, OtherRankFailed)
+# refusing, a round that never came, agents that fail. Raised on every rank together
+# (Dist.together_collective, or decided on a record reduced over them).
+FAILURES = (RolloutServerError, RoundTimeout, OtherRankFailed, AgentsFailing)
 
 
 def together_collective(dist, what: str, fn):
