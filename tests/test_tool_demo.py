@@ -40,8 +40,8 @@ def demo(tmp_path_factory) -> Path:
 def test_the_tool_demo_learns_to_call_the_calculator_and_the_same_model_without_it_stays_low(demo, tmp_path):
     metrics = _metrics(demo / "run")
     assert len(metrics) == STEPS
-    first, last = metrics[:5], metrics[-5:]
-    assert _mean(first, "reward") < 0.2 and _mean(last, "reward") > _mean(first, "reward") + 0.15, [m["reward"] for m in metrics]
+    first, last = metrics[:2], metrics[-5:]
+    assert _mean(first, "reward") < 0.15 and _mean(last, "reward") > _mean(first, "reward") + 0.2, [m["reward"] for m in metrics]
     assert _mean(first, "tools/calculator/call_frequency") < 0.5 and _mean(last, "tools/calculator/call_frequency") > 0.8
 
     # The same warmed-up model and data, with the demo's settings less the tool: no call is run,
@@ -67,13 +67,15 @@ def test_the_agent_demo_an_agents_sdk_agent_learns_the_same_through_the_endpoint
     # runs) on the tool demo's warmed-up model. In 20 steps the reward went from 0.09 (steps 1-4)
     # to 0.43 (steps 17-20) on one machine; on another it was 0.11 at steps 1-5 and 0.44 at steps
     # 8-12 already (0.41 at 16-20), so 12 steps show the rise, in 1:30 of CI's time instead of 2:30.
+    # Since each turn ends with one <|im_end|> (not two), it rises sooner: 0.04 at steps 1-2, 0.27
+    # at step 3, 0.50 at steps 8-12; so the start is its first two steps.
     proc = cli_here("train", "--config", ROOT / "examples" / "agent_calculator.yaml", "--model_name_or_path", demo / "model",
                     "--dataset_name", demo / "calculator.jsonl", "--output_dir", tmp_path / "agent", "--max_steps", AGENT_STEPS,
                     "--seed", 0, "--disable_tqdm", "true", timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = _metrics(tmp_path / "agent")
-    first, last = metrics[:5], metrics[-5:]
-    assert _mean(first, "reward") < 0.2 and _mean(last, "reward") > _mean(first, "reward") + 0.15, [m["reward"] for m in metrics]
+    first, last = metrics[:2], metrics[-5:]
+    assert _mean(first, "reward") < 0.15 and _mean(last, "reward") > _mean(first, "reward") + 0.2, [m["reward"] for m in metrics]
     # the SDK ran the calculator and sent its result back: a second turn, continuing the same row
     # (the SDK's copy of each reply is the server's, so no history was rewritten)
     assert _mean(last, "multi_turn/turns/mean") > 1.5 and sum(m["agents/new_rows"] for m in metrics) == 0
