@@ -19,11 +19,12 @@ TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>
 # ChatML, with tools in Qwen2.5's way: listed in a system turn, called as
 # <tool_call>{json}</tool_call> in the assistant's text, answered in <tool_response> blocks of a
 # user turn. The tool list is short (names and arguments, not the JSON schemas) to suit a small
-# context. Without tools it renders plain ChatML.
+# context; a function without parameters (OpenAI's API leaves them optional) is listed as name().
+# Without tools it renders plain ChatML.
 CHAT_TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\\n' }}"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n' }}{% endif %}"
-    "{{ 'Tools:' }}{% for tool in tools %}{{ ' ' + tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | list | join(', ')) + ')' }}{% endfor %}"
+    "{{ 'Tools:' }}{% for tool in tools %}{{ ' ' + tool['function']['name'] + '(' + (((tool['function']['parameters'] or {})['properties'] or {}) | list | join(', ')) + ')' }}{% endfor %}"
     "{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' and tools and loop.first %}"

@@ -26,7 +26,7 @@ def client(server, tiny_model):
 
 def test_a_chat_answer_is_the_engines_completion_of_the_rendered_prompt(client, tiny_model):
     api, model = client
-    assert [m.id for m in api.models.list().data] == [model]
+    assert [m.id for m in api.models.list().data] == [tiny_model.name]  # the folder's name (requests may also name the path)
     answer = api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, seed=5, n=2, logprobs=True)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompt = tok(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
@@ -103,14 +103,15 @@ def test_a_request_forwarded_by_vllm_router_is_answered_as_the_clients_own(clien
         ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ({"extra_body": {"guided_json": {}}}, "guided_json"),
         ({"extra_body": {"ignore_eos": True}}, "ignore_eos True is not supported"),
-        # OpenAI's API leaves a tool's parameters optional; this model's template reads them (a 500 once, found by the fuzz test)
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "chat template cannot render them"),
+        ({"response_format": {"type": "json_object"}}, "response_format json_object is not supported yet"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "images are not supported"),
+        ({"prediction": {"type": "content", "content": "3+4=7"}}, "prediction is not supported"),
     ],
 )
 def test_what_the_server_cannot_honour_is_a_400_naming_it(client, fields, named):
     api, model = client
     with pytest.raises(openai.BadRequestError, match=named):
-        api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **fields)
+        api.chat.completions.create(model=model, **{"messages": MESSAGES, "max_tokens": 4, **fields})
     with pytest.raises(openai.NotFoundError, match="is not served here"):
         api.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)
 
@@ -128,3 +129,43 @@ def test_tool_calls_in_the_models_text_come_back_as_openais_tool_calls(tiny_mode
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("add", '{"a": 3, "b": 4}')]
     assert choice.token_ids == ids  # the engine's tokens, whatever the text became
+
+
+def test_what_clients_send_for_their_own_bookkeeping_is_accepted_and_changes_nothing(client, tiny_model):
+    # Refused before as "Extra inputs are not permitted": the Agents SDK, LangChain and litellm
+    # send some of these by default. The model is also answered by its folder's name, the id
+    # /v1/models gives (a path as an id reads as a provider prefix to the Agents SDK).
+    api, path = client
+    (card,) = api.models.list().data
+    assert card.id == tiny_model.name
+    plain = api.chat.completions.create(model=path, messages=MESSAGES, max_tokens=6, seed=4)
+    kept = api.chat.completions.create(
+        model=card.id, messages=MESSAGES, max_tokens=6, seed=4, store=False, metadata={"task": "t1"}, service_tier="auto", user="u",
+        reasoning_effort="low", modalities=["text"], prediction={"type": "content", "content": ""}, response_format={"type": "text"},
+        parallel_tool_calls=True, extra_body={"chat_template_kwargs": {}},
+    )  # fmt: skip
+    assert kept.choices[0].token_ids == plain.choices[0].token_ids and kept.prompt_token_ids == plain.prompt_token_ids
+    # a function with no parameters (OpenAI's API leaves them optional) renders: a 500 once, then a 400
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    assert api.chat.completions.create(model=card.id, messages=MESSAGES, max_tokens=2, tools=tools).prompt_token_ids
+
+
+def test_one_call_at_most_without_parallel_tool_calls_and_calls_to_undeclared_tools_stay_text(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    serving = OpenAIServing(service=None, model_name="m")
+    serving.tokenizer = tok
+    call = '<tool_call>{{"name": "{}", "arguments": {{"a": 3}}}}</tool_call>'
+    text = call.format("add") + " and " + call.format("add")
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    out = Completion(ids, [-0.5] * len(ids), "stop", 3)
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    both = serving._chat_choice(0, out, ChatCompletionRequest(model="m", messages=MESSAGES, tools=tools), parse=True)
+    one = serving._chat_choice(0, out, ChatCompletionRequest(model="m", messages=MESSAGES, tools=tools, parallel_tool_calls=False), parse=True)
+    assert len(both.message.tool_calls) == 2 and both.token_ids == ids
+    # the answer ends with the first call: its tokens are what is trained, the rest never was
+    assert len(one.message.tool_calls) == 1 and one.finish_reason == "tool_calls"
+    assert tok.decode(one.token_ids) == call.format("add") and one.token_ids == ids[: len(one.token_ids)]
+    # a call to a tool the request did not declare is the model's text, not a call
+    other = serving._chat_choice(0, out, ChatCompletionRequest(model="m", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "mul"}}]),
+                                 parse=True)  # fmt: skip
+    assert other.message.tool_calls is None and other.message.content == text and other.finish_reason == "stop"

@@ -136,6 +136,7 @@ def build_app(
     device: str = "cpu",
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     cuda_ipc: bool = False,
+    served_model_name: str | None = None,
 ) -> FastAPI:
     """The server's app: Guard before every route, its errors as {"error": ...} bodies, and the
     routers over `service` (status, generation, weights, the run it serves). `cuda_ipc`: the
@@ -151,7 +152,8 @@ def build_app(
     app = FastAPI(title="tandem rollout server", version="1", lifespan=lifespan)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, max_chunk_bytes=max_chunk_bytes, body_timeout=body_timeout)
     _error_bodies(app)
-    app.state.openai = OpenAIServing(service, model_name)  # its tokenizer is set once the model has loaded
+    served = served_model_name or model_name.rstrip("/").rsplit("/", 1)[-1]
+    app.state.openai = OpenAIServing(service, served, aliases={model_name})  # its tokenizer is set once the model has loaded
     info = P.Info(model=model_name, engine="loading", dtype=dtype, device=device, version=0, vocab_size=0, max_model_len=0, max_batch_tokens=0,
                   max_request_bytes=max_request_bytes, max_weight_chunk_bytes=max_chunk_bytes, host_id=host_id(), threads=0, stats={},
                   cuda_device=cuda_device_id(device) if cuda_ipc else None)  # fmt: skip
@@ -520,7 +522,7 @@ def serve(args: argparse.Namespace) -> int:
     service = RolloutService(max_batch_tokens=args.max_batch_tokens, max_version_waiters=args.max_version_waiters, run_lease=args.run_lease,
                              fixed_threads=bool(args.threads))  # fmt: skip
     app = build_app(service, args.model, args.api_key, args.max_request_bytes, args.max_weight_chunk_bytes, args.dtype, args.device, args.body_timeout,
-                    cuda_ipc=args.engine == "transformers")  # fmt: skip
+                    cuda_ipc=args.engine == "transformers", served_model_name=args.served_model_name)  # fmt: skip
 
     def load():
         try:

@@ -49,6 +49,16 @@ class TextPart(_Request):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("image_url", "input_image", "image"):
+            raise ValueError("images are not supported: the served model takes text; send text parts")
+        if kind not in (None, "text"):
+            raise ValueError(f"content parts of type {kind!r} are not supported; send text parts")
+        return part
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -87,6 +97,24 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+    @model_validator(mode="after")
+    def _built(self):
+        # Constrained decoding (a grammar masking the logits) is not built yet: a format asked
+        # for is refused rather than left to chance.
+        if self.type != "text":
+            raise ValueError(f"response_format {self.type} is not supported yet (constrained decoding is not built); leave it out or send 'text'")
+        return self
+
+
+# What clients send for their own bookkeeping (OpenAI's stored completions, tracing, routing
+# tiers): it changes nothing in what is generated, so it is accepted and ignored.
+BOOKKEEPING = ("store", "metadata", "service_tier", "user", "reasoning_effort", "modalities", "prediction", "safety_identifier", "prompt_cache_key")
+
+
 class _Sampling(_Request):
     model: str
     n: int = Field(1, ge=1, le=64)
@@ -97,7 +125,17 @@ class _Sampling(_Request):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # BOOKKEEPING, ignored. reasoning_effort too: the chat templates tandem serves take no
+    # reasoning switch (a template that does takes it through chat_template_kwargs).
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: dict | None = None
     # vLLM's extensions, named as there
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, lt=1)
@@ -123,6 +161,8 @@ class _Sampling(_Request):
                 raise ValueError(f"{name} {getattr(self, name)} is not supported: tandem answers as with {name} {neutral}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
+        if self.prediction and (self.prediction.get("content") or "") not in ("", []):
+            raise ValueError("prediction is not supported (predicted outputs): leave it out or empty")
         return self
 
     def stops(self) -> list[str]:
@@ -132,8 +172,10 @@ class _Sampling(_Request):
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(..., min_length=1)
     tools: list[ToolSpec] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
-    parallel_tool_calls: bool | None = None
+    tool_choice: str | dict | None = None  # "auto" or "none"
+    parallel_tool_calls: bool | None = None  # false: at most one call, the text ends after the first
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: accepted where it equals the run's (checked by the serving)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -145,6 +187,9 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _chat(self):
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported yet (a forced call needs constrained decoding, not built); "
+                             "use 'auto' or 'none'")  # fmt: skip
         if self.top_logprobs:
             raise ValueError("top_logprobs is not supported: the engines report the sampled token's log-prob only (logprobs: true)")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:

@@ -19,9 +19,12 @@ from jinja2 import TemplateError
 
 from tandem.aio import DaemonPool
 from tandem.rollout.sampling import mix64
-from tandem.rollout.tools import INVALID_CALL, TOOL_PARSERS
+from tandem.rollout.tools import TOOL_PARSERS
 from tandem.rollout.types import TEMPERATURE_RANGE, Completion, SamplingParams
 from tandem.server import openai_protocol as O
+
+
+CALL_END = "</tool_call>"  # the end of a call as hermes writes it (the one parser served)
 
 
 class ModelNotFound(ValueError):
@@ -29,10 +32,12 @@ class ModelNotFound(ValueError):
 
 
 class OpenAIServing:
-    def __init__(self, service, model_name: str, tool_parser: str = "hermes", template_kwargs: dict | None = None):
+    def __init__(self, service, model_name: str, tool_parser: str = "hermes", template_kwargs: dict | None = None, aliases: set[str] = frozenset()):
         """`service`: the RolloutService; the tokenizer is set once the model has loaded.
-        `template_kwargs`: the chat template's other arguments (a run's chat_template_kwargs)."""
+        `template_kwargs`: the chat template's other arguments (a run's chat_template_kwargs).
+        `model_name`: the id served (/v1/models); `aliases`, other names requests may use (--model)."""
         self.service, self.model_name, self.parse = service, model_name, TOOL_PARSERS[tool_parser]
+        self.names = {model_name, *aliases}
         self.template_kwargs = dict(template_kwargs or {})
         self.tokenizer = None
         self.created = int(time.time())
@@ -80,7 +85,8 @@ class OpenAIServing:
         messages = [_template_message(m) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = self._tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+            kwargs = {**self.template_kwargs, **(req.chat_template_kwargs or {})}
+            text = self._tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
         except TemplateError as exc:  # a template that needs what OpenAI's API leaves optional (a tool's parameters): the request's fault
             raise ValueError(f"messages, tools: the model's chat template cannot render them ({type(exc).__name__}: {exc})") from None
         return self._tokenizer()(text, add_special_tokens=False)["input_ids"]
@@ -102,7 +108,11 @@ class OpenAIServing:
         ids, text, finish = self._cut(out, req.stops())
         content, calls = text, None
         if parse:
-            found = [c for c in self.parse(text) if c.name != INVALID_CALL]
+            if req.parallel_tool_calls is False:  # one call at most: the answer ends with the first
+                ids, text, finish = self._cut(out, [CALL_END], keep=True) if CALL_END in text else (ids, text, finish)
+                content = text
+            declared = {t.function.name for t in req.tools}
+            found = [c for c in self.parse(text) if c.name in declared]  # a call to a tool not declared stays text
             if found:
                 calls = [O.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=O.FunctionCall(name=c.name, arguments=json.dumps(c.arguments)))
                          for c in found]  # fmt: skip
@@ -176,7 +186,7 @@ class OpenAIServing:
         return self.tokenizer
 
     def _check_model(self, req) -> None:
-        if req.model != self.model_name:
+        if req.model not in self.names:
             raise ModelNotFound(f"model {req.model!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)")
 
     async def _generate(self, prompt: list[int], req) -> list[Completion]:
@@ -195,9 +205,9 @@ class OpenAIServing:
         seeds = [mix64(base ^ i) & (2**63 - 1) for i in range(req.n)]
         return await self.service.generate([prompt], req.n, params, seeds, 0, 0.0)
 
-    def _cut(self, out: Completion, stops: list[str]) -> tuple[list[int], str, str]:
+    def _cut(self, out: Completion, stops: list[str], keep: bool = False) -> tuple[list[int], str, str]:
         """The choice's token ids, its text and finish reason, ended at the first stop string: the
-        text before it, the ids up to the token that completed it."""
+        text before it (through it, `keep`), the ids up to the token that completed it."""
         tok = self._tokenizer()
         ids, text = list(out.token_ids), tok.decode(out.token_ids, skip_special_tokens=True)
         finish = "stop" if out.finish_reason == "stop" else "length"
@@ -205,10 +215,11 @@ class OpenAIServing:
         if not hits:
             return ids, text, finish
         at, stop = min(hits)
+        end = at + len(stop) if keep else at
         for k in range(1, len(ids) + 1):  # the first prefix whose text holds the stop string
             if stop in tok.decode(ids[:k], skip_special_tokens=True):
-                return ids[:k], text[:at], "stop"
-        return ids, text[:at], "stop"
+                return ids[:k], text[:end], "stop"
+        return ids, text[:end], "stop"
 
     def _token_logprobs(self, ids: list[int], logprobs: list[float]) -> list[O.TokenLogprob]:
         tokens = [self._tokenizer().decode([t]) for t in ids]

@@ -32,6 +32,9 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder in HF format or hub name (the trainer's starting weights)")
+    p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
+                   help="the model's id in the OpenAI-compatible API (/v1/models); default: the model folder's name, or a hub name's last part "
+                   "(a path as an id reads as a provider prefix to some clients). Requests that name --model are answered too")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --api-key (or --insecure)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

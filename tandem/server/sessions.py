@@ -302,6 +302,10 @@ class SessionServing(OpenAIServing):
             if value is not None and value != getattr(run, name):
                 raise ValueError(f"{name}={value}: a training session samples at the run's {name}={getattr(run, name)} "
                                  "(its log-probs are what the loss corrects against); leave it out")  # fmt: skip
+        asked = getattr(req, "chat_template_kwargs", None) or {}
+        if any(self.template_kwargs.get(k) != v for k, v in asked.items()):
+            raise ValueError(f"chat_template_kwargs={asked}: a training session renders with the run's chat_template_kwargs "
+                             f"({self.template_kwargs}); leave it out or send those")  # fmt: skip
         if req.n != 1:
             raise ValueError("n: a training session is one trajectory, one choice per request; open more sessions for more samples")
         if req.seed is not None:
