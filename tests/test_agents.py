@@ -250,7 +250,7 @@ def test_an_unmodified_agents_sdk_agent_trains_on_the_engines_tokens_after_it_re
     pytest.importorskip("agents", reason="the OpenAI Agents SDK (./setup.sh installs it; the vLLM environment cannot: websockets<17)")
     (traj,), _ = _run(local, _sdk_agent, seeds=(9,))
     _, tok = local
-    assert not traj.info["agent"]["error"], traj.info["agent"]["why"]
+    assert traj.info["agent"]["why"] is None, traj.info["agent"]["why"]
     # the second run rewrote the first question: a new row, rendered from its request, whose turns are the engine's
     assert traj.info["agent"]["new_rows"] == 1 and "Once more:" in tok.decode(traj.prompt_ids)
     _assert_engine_tokens(local, traj, 9)
@@ -388,3 +388,86 @@ def test_glues_kept_for_the_tools_agents_send_are_bounded(local):
         serving.glue([{"type": "function", "function": {"name": f"tool_{k}", "parameters": {"type": "object", "properties": {}}}}])
     assert len(serving._glues) == SessionServing.GLUES
     assert serving.glue(None) is serving.glue(None)  # the one in use stays kept
+
+
+async def _responds(row, client):
+    """The Responses API as the openai client calls it: text input with instructions, then
+    previous_response_id streamed, then the whole conversation as items."""
+    question = row["prompt"][-1]["content"]
+    first = await client.responses.create(model="any", instructions="Add.", input=question, max_output_tokens=4)
+    stream = await client.responses.create(model="any", previous_response_id=first.id, input=[{"role": "user", "content": "Sure?"}],
+                                           max_output_tokens=4, stream=True)  # fmt: skip
+    events = [event async for event in stream]
+    second = events[-1].response
+    items = [{"role": "user", "content": question}, *[o.model_dump() for o in first.output], {"role": "user", "content": "Sure?"},
+             *[o.model_dump() for o in second.output], {"role": "user", "content": [{"type": "input_text", "text": "Once more."}]}]  # fmt: skip
+    third = await client.responses.create(model="any", instructions="Add.", input=items, max_output_tokens=4)
+    REFUSED[:] = [[e.type for e in events], first, third]
+    return 1.0
+
+
+def test_the_responses_api_in_a_session_continues_one_row_as_chat_does(local):
+    (traj,), _ = _run(local, _responds, seeds=(4,), max_len=200)  # the glue is some 30 tokens of this tokenizer a turn
+    assert traj.info["agent"]["why"] is None, traj.info["agent"]["why"]
+    kinds, first, third = REFUSED
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete") and "response.output_item.done" in kinds
+    assert first.output_text and first.output_token_ids and third.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+    # three requests, one row: each extends the conversation, whichever way it was sent
+    assert traj.info["agent"]["new_rows"] == 0 and traj.info["turns"] == 3, traj.info["agent"]
+    _assert_engine_tokens(local, traj, 4)
+
+
+def test_a_responses_function_call_comes_back_as_an_item_and_its_output_continues_the_row(local):
+    _, tok = local
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    call = tok.encode('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', add_special_tokens=False) + [im_end]
+    answers = [call, tok.encode("5", add_special_tokens=False) + [im_end]]
+
+    async def submit(ids, max_tokens, seed):
+        ids = answers.pop(0)
+        return Completion(ids, [-0.5] * len(ids), "stop", 0)
+
+    store = SessionStore()
+    serving = SessionServing(store, tok, "policy", PARAMS, {}, "hermes", max_context=1024)
+    session = store.open(1, submit, Bounds(8, 256))
+    tools = [{"type": "function", "name": "add", "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}}]
+
+    async def conversation():
+        first = await serving.session_responses(session.id, O.ResponsesRequest(model="policy", input="2+3=", tools=tools))
+        (item,) = first.output
+        output = {"type": "function_call_output", "call_id": item["call_id"], "output": "5"}
+        second = await serving.session_responses(session.id, O.ResponsesRequest(model="policy", input=[output], tools=tools, previous_response_id=first.id))
+        return item, second
+
+    item, second = asyncio.run(conversation())
+    (row,) = store.close(session.id)
+    assert item["type"] == "function_call" and item["name"] == "add" and json.loads(item["arguments"]) == {"a": 2, "b": 3}
+    assert second.output[0]["content"][0]["text"] == "5" and len(row.versions) == 2
+    assert "<tool_response>\n5\n</tool_response>" in tok.decode(row.ids) and row.mask.count(1) == len(call) + 2
+
+
+async def _sdk_responses_agent(row, client):
+    """The Agents SDK's default model, the Responses API (Agent(model=...) with its default
+    client set), with a function tool: its docs' way, the way that was a bare 404."""
+    from agents import Agent, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    set_default_openai_client(client, use_for_tracing=False)
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        return str(eval(expression, {"__builtins__": {}}))  # the test's own tool, on the test's own inputs
+
+    agent = Agent(name="adder", instructions="Add.", model="policy", tools=[calculator])
+    first = await Runner.run(agent, row["prompt"][-1]["content"], max_turns=2)
+    await Runner.run(agent, first.to_input_list() + [{"role": "user", "content": "Sure?"}], max_turns=2)
+
+
+def test_the_agents_sdks_default_responses_model_trains_on_the_engines_tokens(local):
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK (./setup.sh installs it; the vLLM environment cannot: websockets<17)")
+    (traj,), _ = _run(local, _sdk_responses_agent, seeds=(8,), max_len=200)
+    assert traj.info["agent"]["why"] is None, traj.info["agent"]["why"]
+    # its second run sent the first's items back: the same row, continued
+    assert traj.info["agent"]["new_rows"] == 0 and traj.info["turns"] == 2, traj.info["agent"]
+    _assert_engine_tokens(local, traj, 8)

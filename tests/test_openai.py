@@ -169,3 +169,21 @@ def test_one_call_at_most_without_parallel_tool_calls_and_calls_to_undeclared_to
     other = serving._chat_choice(0, out, ChatCompletionRequest(model="m", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "mul"}}]),
                                  parse=True)  # fmt: skip
     assert other.message.tool_calls is None and other.message.content == text and other.finish_reason == "stop"
+
+
+def test_the_responses_api_answers_as_chat_does_streamed_or_not(client, tiny_model):
+    api, model = client
+    chat = api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
+    answer = api.responses.create(model=tiny_model.name, instructions="Add.", input="3+4=", max_output_tokens=4, store=False, truncation="disabled")
+    assert answer.model_extra["prompt_token_ids"] == chat.prompt_token_ids  # instructions are the system message
+    assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens == len(chat.prompt_token_ids)
+    assert answer.output_text == AutoTokenizer.from_pretrained(tiny_model).decode(answer.model_extra["output_token_ids"], skip_special_tokens=True)
+    # cut at max_output_tokens, the stream ends as OpenAI's does then: response.incomplete
+    events = list(api.responses.create(model=model, input=[{"role": "user", "content": "3+4="}], max_output_tokens=4, stream=True))
+    text, final = "".join(e.delta for e in events if e.type == "response.output_text.delta"), events[-1].response
+    assert events[-1].type == "response.incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert text == final.output_text and final.id.startswith("resp_") and [e.sequence_number for e in events] == list(range(len(events)))
+    later = api.responses.create(model=model, previous_response_id=final.id, input="Sure?", max_output_tokens=2)
+    assert later.model_extra["prompt_token_ids"][: len(final.model_extra["prompt_token_ids"])] == final.model_extra["prompt_token_ids"]
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        api.responses.create(model=model, previous_response_id="resp_unknown", input="?", max_output_tokens=2)

@@ -226,6 +226,10 @@ def _openai_routes(serving: OpenAIServing) -> APIRouter:
     async def complete(req: O.CompletionRequest):
         return _answered(req, await serving.complete(req), serving.completion_chunks)
 
+    @router.post("/v1/responses", response_model=O.Response, responses=answers)
+    async def responses(req: O.ResponsesRequest):
+        return _events(req, await serving.responses(req), serving.response_events)
+
     return router
 
 
@@ -235,6 +239,11 @@ def _answered(req, response, chunks):
         return response
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return StreamingResponse(chunks(response, include_usage), media_type="text/event-stream")
+
+
+def _events(req, response, events):
+    """A Responses API answer as it is, or with stream: true as its server-sent events."""
+    return StreamingResponse(events(response), media_type="text/event-stream") if req.stream else response
 
 
 def _status_routes(service: RolloutService, info: P.Info) -> APIRouter:

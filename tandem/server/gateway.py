@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 
 from tandem.server import openai_protocol as O
-from tandem.server.app import Guard, _answered, _error_bodies, _openai_responses
+from tandem.server.app import Guard, _answered, _error_bodies, _events, _openai_responses
 from tandem.server.options import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from tandem.server.sessions import SessionServing
 
@@ -44,6 +44,10 @@ def build_gateway_app(serving: SessionServing, api_key: str, max_request_bytes: 
     @router.post("/completions", response_model=O.Completion, responses=answers)
     async def complete(sid: str, req: O.CompletionRequest):
         return _answered(req, await serving.session_complete(sid, req), serving.completion_chunks)
+
+    @router.post("/responses", response_model=O.Response, responses=answers)
+    async def responses(sid: str, req: O.ResponsesRequest):
+        return _events(req, await serving.session_responses(sid, req), serving.response_events)
 
     app.include_router(router)
     return app

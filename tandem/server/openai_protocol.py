@@ -330,3 +330,124 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- the Responses API
+# POST /v1/responses, as OpenAI's client and the frameworks over it (the Agents SDK's default
+# model) send it. A request becomes a chat request (ResponsesRequest.chat), answered by the same
+# serving logic, so a session records it as it records chat: the same rows, the same tokens.
+
+
+class ResponsesTool(_Request):
+    type: Literal["function"]
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str
+    input: str | list[dict]
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=TEMPERATURE_RANGE[1])
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    previous_response_id: str | None = None
+    text: dict | None = None  # {"format": {"type": "text"}}; other formats as response_format
+    # BOOKKEEPING, and what the Agents SDK sends at its defaults
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    reasoning: dict | None = None  # as reasoning_effort: no reasoning switch in these templates
+    truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+    stream_options: dict | None = None
+
+    def messages(self, earlier: list[dict]) -> list[dict]:
+        """The conversation as chat messages: `earlier` (previous_response_id's), the
+        instructions as a system message first, then the input's items."""
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        out += [m for m in earlier if m["role"] != "system" or not self.instructions]
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        for k, item in enumerate(items):
+            kind = item.get("type", "message")
+            if kind == "message":
+                content = item.get("content")
+                if isinstance(content, list):
+                    content = [_text_part(part, k) for part in content]
+                out.append({"role": item.get("role", "user"), "content": content})
+            elif kind == "function_call":
+                call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+                if out and out[-1]["role"] == "assistant":  # the calls of one answer join its message
+                    out[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item["output"] if isinstance(item["output"], str) else "".join(_text_part(p, k)["text"] for p in item["output"])
+                out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+            elif kind == "reasoning":
+                continue  # an earlier answer's reasoning: none is made here, none rendered
+            else:
+                raise ValueError(f"input[{k}]: items of type {kind!r} are not supported (messages, function_call, function_call_output)")
+        return out
+
+    def chat(self, earlier: list[dict]) -> ChatCompletionRequest:
+        fmt = (self.text or {}).get("format")
+        if fmt is not None and fmt.get("type") == "json_schema":  # the Responses API's shape of it, as chat's
+            fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported yet (a forced call needs constrained decoding, not built); "
+                             "use 'auto' or 'none'")  # fmt: skip
+        tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools] if self.tools else None
+        return ChatCompletionRequest(model=self.model, messages=self.messages(earlier), tools=tools, tool_choice=self.tool_choice,
+                                     parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
+                                     temperature=self.temperature, top_p=self.top_p, response_format=fmt)  # fmt: skip
+
+
+def _text_part(part: dict, k: int) -> dict:
+    if part.get("type") in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": part["text"]}
+    if part.get("type") in ("input_image", "image_url"):
+        raise ValueError(f"input[{k}]: images are not supported: the served model takes text; send input_text parts")
+    raise ValueError(f"input[{k}]: content parts of type {part.get('type')!r} are not supported; send input_text parts")
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict = {"cached_tokens": 0}
+    output_tokens_details: dict = {"reasoning_tokens": 0}
+
+
+class Response(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete"]
+    incomplete_details: dict | None = None
+    model: str
+    output: list[dict]  # message and function_call items, as OpenAI writes them
+    instructions: str | None = None
+    tools: list[dict] = []
+    tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict = {"format": {"type": "text"}}
+    error: None = None
+    metadata: dict = {}
+    usage: ResponseUsage
+    prompt_token_ids: list[int]  # tandem's, as in a chat answer
+    output_token_ids: list[int]
+    version: int

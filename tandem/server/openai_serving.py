@@ -12,8 +12,10 @@ the engine's. `temperature: 0` samples at 0.01, near-greedy, as the engines' low
 import asyncio
 import json
 import secrets
+import threading
 import time
 import uuid
+from collections import OrderedDict
 
 from jinja2 import TemplateError
 
@@ -45,6 +47,11 @@ class OpenAIServing:
         # it: one 30 MB message took 171 s to refuse, and /health went unanswered meanwhile.
         self._render = DaemonPool(1, "tandem-render")
         self._longest_token: int | None = None  # characters of the vocabulary's longest token
+        # The conversations of the last answers of /v1/responses, for previous_response_id.
+        self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
+        self._kept_lock = threading.Lock()
+
+    CONVERSATIONS = 1024  # answers kept for previous_response_id
 
     def context(self) -> int | None:
         """Tokens the model's context holds: a prompt's bound."""
@@ -177,6 +184,77 @@ class OpenAIServing:
         if include_usage:
             yield f"data: {json.dumps({**response.model_dump(), 'choices': []})}\n\n"
         yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ responses
+
+    async def responses(self, req: O.ResponsesRequest) -> O.Response:
+        chat = req.chat(self.earlier(req))
+        return self.as_response(req, chat, await self.chat(chat))
+
+    def earlier(self, req: O.ResponsesRequest) -> list[dict]:
+        """The conversation previous_response_id names: its messages and its answer."""
+        if req.previous_response_id is None:
+            return []
+        with self._kept_lock:
+            earlier = self._conversations.get(req.previous_response_id)
+        if earlier is None:
+            raise ValueError(f"previous_response_id {req.previous_response_id!r} is not a response of this server (it keeps the last "
+                             f"{self.CONVERSATIONS}); send the conversation as input instead")  # fmt: skip
+        return earlier
+
+    def as_response(self, req: O.ResponsesRequest, chat: O.ChatCompletionRequest, answer: O.ChatCompletion) -> O.Response:
+        """A chat answer as the Responses API's: a message item for its text, a function_call item
+        per call; kept for a later previous_response_id."""
+        choice = answer.choices[0]
+        message, output = choice.message, []
+        if message.content:
+            output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+                           "content": [{"type": "output_text", "text": message.content, "annotations": [], "logprobs": []}]})  # fmt: skip
+        for call in message.tool_calls or []:
+            output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.function.name,
+                           "arguments": call.function.arguments, "status": "completed"})  # fmt: skip
+        rid = f"resp_{uuid.uuid4().hex}"
+        reply = {"role": "assistant", "content": message.content, **({"tool_calls": [c.model_dump() for c in message.tool_calls]} if message.tool_calls else {})}
+        with self._kept_lock:
+            self._conversations[rid] = [m.model_dump(exclude_none=True) for m in chat.messages] + [reply]
+            while len(self._conversations) > self.CONVERSATIONS:
+                self._conversations.popitem(last=False)
+        cut = choice.finish_reason == "length"
+        usage = O.ResponseUsage(input_tokens=answer.usage.prompt_tokens, output_tokens=answer.usage.completion_tokens, total_tokens=answer.usage.total_tokens)
+        return O.Response(id=rid, created_at=answer.created, status="incomplete" if cut else "completed",
+                          incomplete_details={"reason": "max_output_tokens"} if cut else None, model=req.model, output=output,
+                          instructions=req.instructions, tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+                          tool_choice=req.tool_choice or "auto", parallel_tool_calls=req.parallel_tool_calls is not False,
+                          previous_response_id=req.previous_response_id, temperature=req.temperature, top_p=req.top_p, usage=usage,
+                          prompt_token_ids=answer.prompt_token_ids, output_token_ids=choice.token_ids, version=answer.version)  # fmt: skip
+
+    def response_events(self, response: O.Response):
+        """A finished answer as the Responses API's stream of events (server-sent), in the order
+        OpenAI sends them: created, each output item added, its text or arguments, done; then
+        completed (or incomplete)."""
+        seq = iter(range(1 << 30))
+
+        def event(kind: str, **body) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **body})}\n\n"
+
+        opened = {**response.model_dump(), "status": "in_progress", "output": [], "incomplete_details": None}
+        yield event("response.created", response=opened)
+        yield event("response.in_progress", response=opened)
+        for k, item in enumerate(response.output):
+            at = {"item_id": item["id"], "output_index": k}
+            if item["type"] == "message":
+                text, part = item["content"][0]["text"], item["content"][0]
+                yield event("response.output_item.added", output_index=k, item={**item, "status": "in_progress", "content": []})
+                yield event("response.content_part.added", **at, content_index=0, part={**part, "text": ""})
+                yield event("response.output_text.delta", **at, content_index=0, delta=text, logprobs=[])
+                yield event("response.output_text.done", **at, content_index=0, text=text, logprobs=[])
+                yield event("response.content_part.done", **at, content_index=0, part=part)
+            else:
+                yield event("response.output_item.added", output_index=k, item={**item, "status": "in_progress", "arguments": ""})
+                yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+                yield event("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=k, item=item)
+        yield event("response.completed" if response.status == "completed" else "response.incomplete", response=response.model_dump())
 
     # ------------------------------------------------------------------ shared
 

@@ -279,6 +279,11 @@ class SessionServing(OpenAIServing):
             session.record(turn, out, choice.token_ids, _template_message(O.Message(**choice.message.model_dump())), self.glue(tools), finish)
         return self._chat_response(req, prompt, [choice], out.version)
 
+    async def session_responses(self, sid: str, req: O.ResponsesRequest) -> O.Response:
+        """The Responses API in a session: its request as chat's, so it is recorded as chat is."""
+        chat = req.chat(self.earlier(req))
+        return self.as_response(req, chat, await self.session_chat(sid, chat))
+
     async def session_complete(self, sid: str, req: O.CompletionRequest) -> O.Completion:
         session = self.store.get(sid)
         self._check_sampling(req)
