@@ -121,6 +121,10 @@ def test_the_openai_endpoint_answers_the_engines_completions_of_the_rendered_pro
     for choice, out in zip(answer.choices, outs):
         assert choice.model_extra["token_ids"] == out.token_ids
         assert [t.logprob for t in choice.logprobs.content] == out.logprobs
+    # the Responses API renders the same prompt, and answers with the engine's tokens
+    response = api.responses.create(model=model64.name, input=messages, max_output_tokens=6)
+    assert response.model_extra["prompt_token_ids"] == prompt and 1 <= len(response.model_extra["output_token_ids"]) <= 6
+    assert response.output_text == tok.decode(response.model_extra["output_token_ids"], skip_special_tokens=True)
 
 
 @pytest.mark.quick
