@@ -38,10 +38,10 @@ def local(tiny_model):
     return TransformersEngine(lm, eos_token_ids(tok, lm.generation_config, str(tiny_model)), tok.pad_token_id), tok
 
 
-def _run(local, fn, seeds=(11, 22), timeout=30.0, failure="drop", max_turns=8, max_len=64, min_version=0, max_prompt=None):
+def _run(local, fn, seeds=(11, 22), timeout=30.0, failure="drop", max_turns=8, max_len=64, min_version=0, max_prompt=None, name="test:agent", workers=0):
     engine, tok = local
-    agents = AgentFunction(fn, "test:agent", tok, SessionServing(SessionStore(), tok, "policy", PARAMS, {}, "hermes", max_context=1024),
-                           AgentOptions(timeout, Bounds(max_turns, max_len, max_prompt, 1024), failure))  # fmt: skip
+    agents = AgentFunction(fn, name, tok, SessionServing(SessionStore(), tok, "policy", PARAMS, {}, "hermes", max_context=1024),
+                           AgentOptions(timeout, Bounds(max_turns, max_len, max_prompt, 1024), failure, workers))  # fmt: skip
     prompts = []
     for q in QUESTIONS[: len(seeds)]:
         messages = [{"role": "user", "content": q}]
@@ -471,3 +471,39 @@ def test_the_agents_sdks_default_responses_model_trains_on_the_engines_tokens(lo
     # its second run sent the first's items back: the same row, continued
     assert traj.info["agent"]["new_rows"] == 0 and traj.info["turns"] == 2, traj.info["agent"]
     _assert_engine_tokens(local, traj, 8)
+
+
+# Agents that take their process down, or hold it: contained only by agent_workers.
+UNRULY_AGENTS = """
+import os, threading, time
+
+async def agent(row, client):
+    answer = await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=3)
+    question = row["prompt"][-1]["content"]
+    if question == "2+3=":
+        os._exit(3)
+    if question == "4+1=":
+        threading.Event().wait()  # blocks its event loop: no await ends it
+    return float(len(answer.choices[0].token_ids))
+"""
+
+
+def test_agents_in_worker_processes_take_only_their_worker_with_them(local, tmp_path):
+    (tmp_path / "unruly.py").write_text(UNRULY_AGENTS)
+    QUESTIONS.append("1+1=")
+    try:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("unruly", tmp_path / "unruly.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        start = time.monotonic()
+        (exits, blocks, fine), agents = _run(local, module.agent, seeds=(1, 2, 3), timeout=8.0, name=f"{tmp_path / 'unruly.py'}:agent", workers=3)
+        took = time.monotonic() - start
+    finally:
+        QUESTIONS.pop()
+    assert "ended its worker process (exit code 3)" in exits.info["agent"]["why"] and exits.info["agent"]["error"], exits.info["agent"]
+    # ended at agent_timeout, its worker killed (the workers' start, seconds, is before the episodes' clock)
+    assert blocks.info["agent"]["timeout"] and took < 60, took
+    assert not fine.info["agent"]["error"] and fine.info["environment_reward"] == 3.0 and fine.info["turns"] == 1
+    _assert_engine_tokens(local, fine, 3)

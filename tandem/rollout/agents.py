@@ -32,12 +32,15 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tandem.aio import DaemonPool
 from tandem.rollout.multiturn import CoroutineRollouts, Prompt, Trajectory, TrajectoryError, _Batcher, _reward_number
+from tandem.rollout.tool_workers import Workers, WorkerFailed, serve_agents
 from tandem.rollout.types import Completion
 from tandem.server.gateway import Gateway
 from tandem.server.sessions import Bounds, Row, SessionServing
 
 log = logging.getLogger("tandem")
+WORKER_START_SECONDS = 300  # for agent_workers to start (their imports), before the first round's episodes
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class AgentOptions:
     timeout: float  # agent_timeout: seconds for one episode
     bounds: Bounds  # of each session: max_turns, max_completion_length, max_prompt_length, the context
     failure: str  # agent_failure: 'drop' or 'zero'
+    workers: int = 0  # agent_workers: processes that run the agents (0: this process's event loop)
 
 
 class AgentFunction(CoroutineRollouts):
@@ -61,11 +65,18 @@ class AgentFunction(CoroutineRollouts):
         self.gateway: Gateway | None = None  # started by the first round, so that a run that fails before one leaves no thread
         self._openai = openai
         self._lock = threading.Lock()
+        self.workers = Workers(options.workers, serve_agents) if options.workers else None
+        self._waiting = DaemonPool(options.workers, "tandem-agent-wait") if options.workers else None  # a thread per worker's call
 
     def generate(self, engine, prompts, params, seeds, min_version):
         with self._lock:  # the producer's thread and the evaluator's
             if self.gateway is None:
                 self.gateway = Gateway(self.serving)
+        if self.workers is not None:  # before any episode's clock starts
+            try:
+                self.workers.start(WORKER_START_SECONDS)
+            except WorkerFailed as exc:
+                raise TrajectoryError(f"agent_workers: {exc}") from None
         batcher, done = _Batcher(engine, params, min_version, len(prompts)), threading.Event()
         threading.Thread(target=self._watch, args=(self.loop(), batcher, done), name="tandem-agent-watch", daemon=True).start()
         try:
@@ -97,7 +108,11 @@ class AgentFunction(CoroutineRollouts):
         session = self.store.open(seed, submit, o.bounds)
         client = self._openai.AsyncOpenAI(base_url=self.gateway.base_url(session.id), api_key=self.gateway.api_key, max_retries=0, timeout=o.timeout)
         result, error, timed_out = None, None, False
-        episode = asyncio.ensure_future(_contained(self.fn({"prompt": prompt.messages, **prompt.row}, client)))
+        row = {"prompt": prompt.messages, **prompt.row}
+        if self.workers is None:
+            episode = asyncio.ensure_future(contained(self.fn(row, client)))
+        else:
+            episode = asyncio.ensure_future(self._in_worker(row, self.gateway.base_url(session.id)))
         try:
             # Not wait_for: it waits for the cancelled episode to end, and an agent that catches
             # CancelledError and goes on would hold the round for ever. Past its time the episode
@@ -125,6 +140,16 @@ class AgentFunction(CoroutineRollouts):
                 failed, error, reward = True, f"it returned {_short(result)}; return a finite number (its reward) or None", None
         return self._trajectory(rows, session.turns, failed, error, timed_out, reward, batcher.min_version)
 
+    async def _in_worker(self, row: dict, base_url: str) -> tuple[object, str | None]:
+        """The episode in a worker process: its (result, error). The worker is given a second past
+        agent_timeout, so that the episode times out here first (agents/timeouts), then ended."""
+        timeout = self.options.timeout
+        try:
+            return await asyncio.wrap_future(self._waiting.submit(self.workers.call, (self.name, row, base_url, self.gateway.api_key, timeout),
+                                                                  timeout + 1, "agent_timeout"))  # fmt: skip
+        except WorkerFailed as exc:
+            return None, f"WorkerFailed: the agent {exc}"
+
     def _trajectory(self, rows: list[Row], requests: int, failed: bool, error: str | None, timed_out: bool, reward: float | None, min_version: int) -> Trajectory:
         turns = [r for r in rows if r.versions]  # rows with at least one answer (a refused first request leaves none)
         # requests: the session's turns, every row's (the trained row's are the last of them)
@@ -142,9 +167,11 @@ class AgentFunction(CoroutineRollouts):
     def close(self) -> None:
         if self.gateway is not None:
             self.gateway.close()
+        if self.workers is not None:
+            self.workers.close()
 
 
-async def _contained(episode) -> tuple[object, str | None]:
+async def contained(episode) -> tuple[object, str | None]:
     """The agent's result, or what ended it as text, whatever way it ended: sys.exit,
     KeyboardInterrupt and a CancelledError of its own are its failure, never the run's (raised
     in the task wait_for runs, SystemExit and KeyboardInterrupt would leave the event loop and end
