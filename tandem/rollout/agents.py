@@ -12,10 +12,13 @@ is the session's last row: its conversation at the end, which the reward judged.
 rewrote its history has earlier rows; they are counted (agents/new_rows) and not trained (one
 record per trajectory keeps every round the same size).
 
-Bounds: agent_timeout for the whole episode, max_turns requests and max_completion_length
-tokens per row. An agent that raises or overruns agent_timeout is ended and counted
-(agents/errors, agents/timeouts); its trajectory is dropped (no reward, no loss: as an engine's
-error) or scored 0 with what it generated (agent_failure). A request refused by a bound ends the
+Bounds: agent_timeout for the whole episode; max_turns requests, max_prompt_length and
+max_completion_length tokens per row and the model's context (sessions.Bounds). An agent that
+raises, exits, or overruns agent_timeout is ended and counted (agents/errors, agents/timeouts),
+never the run's failure (with agent_workers it runs in a worker process, where os._exit and a
+blocked event loop take only the worker with them); its trajectory is dropped (no reward, no
+loss: as an engine's error) or scored 0 with what it generated (agent_failure). Most agents
+failing, step after step, stop the run (metrics.AgentFailures). A request refused by a bound ends the
 episode without an error: an agent that raises on it trains on its conversation so far. A failing
 engine fails the round, as in every other mode: an agent never hides it.
 
