@@ -109,13 +109,13 @@ class AgentFunction(CoroutineRollouts):
 
         o = self.options
         session = self.store.open(seed, submit, o.bounds)
-        client = self._openai.AsyncOpenAI(base_url=self.gateway.base_url(session.id), api_key=self.gateway.api_key, max_retries=0, timeout=o.timeout)
-        result, error, timed_out = None, None, False
-        row = {"prompt": prompt.messages, **prompt.row}
+        result, error, timed_out, client = None, None, False, None
+        row, base_url = {"prompt": prompt.messages, **prompt.row}, self.gateway.base_url(session.id)
         if self.workers is None:
+            client = self._openai.AsyncOpenAI(base_url=base_url, api_key=self.gateway.api_key, max_retries=0, timeout=o.timeout)
             episode = asyncio.ensure_future(contained(self.fn(row, client)))
-        else:
-            episode = asyncio.ensure_future(self._in_worker(row, self.gateway.base_url(session.id)))
+        else:  # the worker makes its own client
+            episode = asyncio.ensure_future(self._in_worker(row, base_url))
         try:
             # Not wait_for: it waits for the cancelled episode to end, and an agent that catches
             # CancelledError and goes on would hold the round for ever. Past its time the episode
@@ -129,7 +129,8 @@ class AgentFunction(CoroutineRollouts):
         finally:
             batcher.finished()
             rows = self.store.close(session.id)
-            await client.close()
+            if client is not None:
+                await client.close()
         if session.engine_error is not None:
             raise session.engine_error
         failed = timed_out or (error is not None and not session.limited)

@@ -110,12 +110,25 @@ class ResponseFormat(_Request):
         return self
 
 
-# What clients send for their own bookkeeping (OpenAI's stored completions, tracing, routing
-# tiers): it changes nothing in what is generated, so it is accepted and ignored.
-BOOKKEEPING = ("store", "metadata", "service_tier", "user", "reasoning_effort", "modalities", "prediction", "safety_identifier", "prompt_cache_key")
+class _Bookkeeping(_Request):
+    """What clients send for their own bookkeeping (OpenAI's stored completions, tracing, routing
+    tiers), in chat and in the Responses API: it changes nothing in what is generated, so it is
+    accepted and ignored."""
+
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
-class _Sampling(_Request):
+def _check_tool_choice(tool_choice) -> None:
+    if tool_choice not in (None, "auto", "none"):
+        raise ValueError(f"tool_choice {tool_choice!r} is not supported yet (a forced call needs constrained decoding, not built); use 'auto' or 'none'")
+
+
+class _Sampling(_Bookkeeping):
     model: str
     n: int = Field(1, ge=1, le=64)
     temperature: float | None = Field(None, ge=0, le=TEMPERATURE_RANGE[1], description="0 is greedy (sampled at 0.01).")
@@ -125,15 +138,9 @@ class _Sampling(_Request):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # BOOKKEEPING, ignored. reasoning_effort too: the chat templates tandem serves take no
+    # Bookkeeping too, ignored. reasoning_effort: the chat templates tandem serves take no
     # reasoning switch (a template that does takes it through chat_template_kwargs).
-    user: str | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
     reasoning_effort: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
     modalities: list[Literal["text"]] | None = None
     prediction: dict | None = None
     # vLLM's extensions, named as there
@@ -187,9 +194,7 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _chat(self):
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported yet (a forced call needs constrained decoding, not built); "
-                             "use 'auto' or 'none'")  # fmt: skip
+        _check_tool_choice(self.tool_choice)
         if self.top_logprobs:
             raise ValueError("top_logprobs is not supported: the engines report the sampled token's log-prob only (logprobs: true)")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
@@ -346,7 +351,7 @@ class ResponsesTool(_Request):
     strict: bool | None = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(_Bookkeeping):
     model: str
     input: str | list[dict]
     instructions: str | None = None
@@ -359,13 +364,7 @@ class ResponsesRequest(_Request):
     stream: bool = False
     previous_response_id: str | None = None
     text: dict | None = None  # {"format": {"type": "text"}}; other formats as response_format
-    # BOOKKEEPING, and what the Agents SDK sends at its defaults
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    # What the Agents SDK sends at its defaults, ignored
     reasoning: dict | None = None  # as reasoning_effort: no reasoning switch in these templates
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
@@ -404,9 +403,7 @@ class ResponsesRequest(_Request):
         fmt = (self.text or {}).get("format")
         if fmt is not None and fmt.get("type") == "json_schema":  # the Responses API's shape of it, as chat's
             fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported yet (a forced call needs constrained decoding, not built); "
-                             "use 'auto' or 'none'")  # fmt: skip
+        _check_tool_choice(self.tool_choice)
         tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools] if self.tools else None
         return ChatCompletionRequest(model=self.model, messages=self.messages(earlier), tools=tools, tool_choice=self.tool_choice,
                                      parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
