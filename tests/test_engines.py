@@ -3,6 +3,7 @@ reproducibility, batch invariance, log-probs against the trainer's recompute, th
 atomic commits, fingerprints, bad input, restart recovery. The vLLM engine runs where vLLM is
 installed (./setup.sh --vllm)."""
 
+import json
 import os
 import threading
 import time
@@ -162,6 +163,64 @@ def test_behaviour_logprobs_are_the_unfiltered_ones_whatever_the_filters(served,
     model = AutoModelForCausalLM.from_pretrained(model64)
     for got, want in zip([o.logprobs for o in outs], recompute(model, tokenizer.pad_token_id, PROMPTS, outs, 0.7)):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def masked_logprobs(model, tokenizer, prompt: list[int], out, grammar: str, temperature: float) -> list[float]:
+    """Log softmax(logits / T) of each token over what `grammar` allowed at its place: the
+    distribution a constrained token is drawn from, recomputed by a full forward."""
+    from tandem.rollout.grammar import Grammars
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    masks = Grammars(tokenizer, vocab, [tokenizer.eos_token_id]).masks(grammar, 1)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].float()  # (T, V)
+    got = []
+    for k, token in enumerate(out.token_ids):
+        row = logits[k : k + 1].clone()
+        masks.apply(row, torch.tensor([False]))
+        got.append(float(torch.log_softmax(row / temperature, -1)[0, token]))
+        masks.advance(torch.tensor([token]), torch.tensor([False]))
+    return got
+
+
+@pytest.mark.quick
+def test_constrained_answers_follow_their_grammar_reproducibly_with_the_masked_logprobs(served, model64):
+    # tool_choice "required" and a json_schema through OpenAI's client: the answer is a call of a
+    # declared tool, or JSON of the schema, whatever the (random) model would write; the tokens
+    # repeat for the seed, and the behaviour log-probs are of the masked, renormalised distribution.
+    import openai
+
+    from tandem.rollout.grammar import CallLayout, answer_grammar
+
+    api = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
+    DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}  # a random model's numbers are long otherwise
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": DIGIT, "b": DIGIT},
+                                                                             "required": ["a", "b"], "additionalProperties": False}}}]  # fmt: skip
+    ask = dict(model=model64.name, messages=[{"role": "user", "content": "1+2"}], max_tokens=200, seed=5, temperature=0.5)
+    called = api.chat.completions.create(**ask, tools=tools, tool_choice="required")
+    again = api.chat.completions.create(**ask, tools=tools, tool_choice={"type": "function", "function": {"name": "add"}})
+    for answer in (called, again):
+        call = answer.choices[0].message.tool_calls[0]
+        assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "add"
+        assert set(json.loads(call.function.arguments)) == {"a", "b"}
+    schema = {"type": "object", "properties": {"answer": DIGIT}, "required": ["answer"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema, "strict": True}}
+    answers = [api.chat.completions.create(**ask, response_format=fmt) for _ in range(2)]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert set(json.loads(answers[0].choices[0].message.content)) == {"answer"}
+    model = perturbed(model64, seed=3)  # the weights the server holds after this push
+    client = client_of(served)
+    version = client.fingerprints()[0]["version"] + 1
+    client.push_weights(list(model.named_parameters()), version)
+    grammar = answer_grammar(CallLayout(), answer=schema)
+    outs = client.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.7, grammar=grammar), [1, 2, 3], min_version=version)
+    client.close()
+    tokenizer = AutoTokenizer.from_pretrained(model64)
+    for prompt, out in zip(PROMPTS, outs):
+        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert out.finish_reason == "length" or set(json.loads(text)) == {"answer"}
+        assert out.logprobs == pytest.approx(masked_logprobs(model, tokenizer, prompt, out, grammar, 0.7), abs=1e-5)
+        assert max(out.logprobs) <= 0 and any(lp == 0 for lp in out.logprobs)  # the grammar's forced tokens: probability 1
 
 
 def _begin(server, version, num_tensors, force=False):

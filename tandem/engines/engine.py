@@ -8,6 +8,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from tandem.attention import TANDEM_SDPA
 from tandem.linears import fast_linears
+from tandem.rollout.grammar import Grammars
 from tandem.rollout.sampling import Workspace, apply_repetition_penalty, chosen_logprobs, filter_logits, row_generators, sample, scaled_into
 from tandem.rollout.types import Completion, SamplingParams
 from tandem.rollout.weights import check_weights, fingerprint
@@ -160,20 +161,24 @@ class TransformersEngine:
     samples from its own seeded generator (reproducible whatever the batch holds), and so that
     the behaviour log-probs are exactly log softmax(logits / temperature) of the sampled tokens,
     the quantity the trainer recomputes: top-k, top-p, min-p and the repetition penalty choose
-    which tokens may be drawn, they do not change the recorded log-probs.
+    which tokens may be drawn, they do not change the recorded log-probs. A grammar
+    (SamplingParams.grammar, rollout.grammar) does: it masks the logits first, so a constrained
+    token's log-prob is of the masked distribution it was drawn from.
     """
 
     max_concurrency = 1
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int, version: int = 0, all_done: Callable[[bool], bool] | None = None,
-                 keep_packed: bool = False):  # fmt: skip
+                 keep_packed: bool = False, tokenizer=None):  # fmt: skip
         """`all_done` (a sharded model, whose every forward is a collective): given whether this
         process's sequences are all finished, whether every process's are; decoding goes on, on
         finished rows, until they are, so every process makes the same forward calls.
         `keep_packed` (an engine that only generates: the rollout server's): the weights packed
         for oneDNN are kept from one generate call to the next until new weights load, so that a
         round's batches and turns pack them once (0.35 s a call at the Qwen2.5-0.5B shape). A
-        colocated engine packs per call: its packed copy would sit beside the training step."""
+        colocated engine packs per call: its packed copy would sit beside the training step.
+        `tokenizer`: the model's, which a grammar (SamplingParams.grammar) is compiled against;
+        an engine made without it refuses a constrained call."""
         if not eos_token_ids:
             raise ValueError("the engine needs at least one EOS token id to know when a completion stops")
         self.model = model
@@ -186,6 +191,8 @@ class TransformersEngine:
         # The process's torch threads when it was made (a server's --threads), not a call's: a
         # server lends a sync run's calls more (RolloutService._call)
         self.threads = torch.get_num_threads()
+        self.tokenizer = tokenizer
+        self._grammars: Grammars | None = None  # made by the first constrained call
 
     @property
     def device(self) -> torch.device:
@@ -233,6 +240,16 @@ class TransformersEngine:
         with eval_mode(self.model), decode_attention(self.model), self._linears(params.max_tokens):
             out = self._generate(prompts, params, seeds, idle)
         return [] if idle else out
+
+    def _masks(self, params: SamplingParams, rows: int):
+        """The grammar's masks for a call's rows (rollout.grammar), None for free text."""
+        if params.grammar is None:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("sampling.grammar: this engine was made without the model's tokenizer, which constrained decoding needs")
+            self._grammars = Grammars(self.tokenizer, self.model.get_output_embeddings().weight.shape[0], self.eos_token_ids)
+        return self._grammars.masks(params.grammar, rows)
 
     def _linears(self, max_tokens: int):
         """How the large weights' matmuls run for a call (tandem.linears): packed where the call
@@ -306,7 +323,10 @@ class TransformersEngine:
         done = torch.full((n,), idle, dtype=torch.bool, device=device)  # (M,)
         # Reused at every step: a fresh (N, V) tensor is fresh pages to fault in (sampling.Workspace).
         work, logits_f32 = Workspace(n, logits.shape[-1], device), torch.empty_like(logits)
+        masks = self._masks(params, n)
         for step in range(params.max_tokens):
+            if masks is not None:  # before everything else: what may be drawn, and what the log-probs are of
+                masks.apply(logits, done)
             penalised = apply_repetition_penalty(logits, seen, params.repetition_penalty)
             scores = scaled_into(penalised, params.temperature, work)  # (M, V)
             tok = sample(filter_logits(scores, params.top_k, params.top_p, params.min_p), generators, work)  # (M,)
@@ -314,6 +334,8 @@ class TransformersEngine:
             if penalised is not logits:  # the log-probs are of the scores before the penalty
                 scores = scaled_into(logits, params.temperature, work)
             lp = chosen_logprobs(scores, tok, work)  # (M,), as token_logprobs
+            if masks is not None:
+                masks.advance(tok, done)
             token_mat[live, step] = tok
             logp_mat[live, step] = lp
             hit_eos = torch.isin(tok, eos) & ~done  # (M,)
@@ -329,6 +351,8 @@ class TransformersEngine:
                 cache.reorder_cache(keep)
                 live, tok, done, attention, step_pos, seen = live[keep], tok[keep], done[keep], attention[keep], step_pos[keep], seen[keep]
                 generators = [generators[i] for i in keep.tolist()]
+                if masks is not None:
+                    masks.keep(keep.tolist())
             # the next token's logits, one decode step on the cache
             step_pos = step_pos + 1  # (M, 1)
             attention = torch.cat([attention, torch.ones((len(live), 1), dtype=attention.dtype, device=device)], dim=1)

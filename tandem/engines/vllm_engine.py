@@ -48,7 +48,9 @@ class VLLMEngine:
         args = AsyncEngineArgs(
             model=model_dir,
             dtype=dtype,
-            skip_tokenizer_init=True,
+            # vLLM's structured outputs need its tokenizer (a grammar compiles against it), and
+            # llguidance's backend is the one the transformers engine masks with (rollout.grammar)
+            structured_outputs_config={"backend": "guidance"},
             # the sampled token's log-prob before any processing; the worker (tandem_setup)
             # divides the logits by the request's temperature first: log softmax(logits / T),
             # what the transformers engine records and the trainer recomputes
@@ -94,7 +96,7 @@ class VLLMEngine:
 
     async def _generate(self, prompts, params: SamplingParams, seeds) -> list[Completion]:
         from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         version = self.version  # load_weights never runs while a generate() call does
         common = dict(
@@ -108,6 +110,7 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's only
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            structured_outputs=StructuredOutputsParams(grammar=params.grammar) if params.grammar else None,
         )
 
         async def one(prompt: list[int], seed: int) -> Completion:

@@ -103,9 +103,9 @@ class AgentFunction(CoroutineRollouts):
     async def _one(self, batcher: _Batcher, prompt: Prompt, seed: int) -> Trajectory:
         loop = asyncio.get_running_loop()
 
-        async def submit(ids: list[int], max_tokens: int, turn_seed: int) -> Completion:
+        async def submit(ids: list[int], max_tokens: int, turn_seed: int, grammar: str | None) -> Completion:
             # From the gateway's thread into this loop, where the batcher and the engine run.
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(batcher.request(ids, max_tokens, turn_seed), loop))
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(batcher.request(ids, max_tokens, turn_seed, grammar), loop))
 
         o = self.options
         session = self.store.open(seed, submit, o.bounds)

@@ -659,14 +659,15 @@ class _Batcher:
 
     def __init__(self, engine, params: SamplingParams, min_version: int, running: int):
         self.engine, self.params, self.min_version, self.running = engine, params, min_version, running
-        self.waiting: list[tuple[list[int], int | None, int, asyncio.Future]] = []
+        self.waiting: list[tuple[list[int], int | None, int, str | None, asyncio.Future]] = []
         self.requests = 0  # made so far: a stall is no new one since a check was set
         self.generating = False  # in the engine's call (which holds the event loop: a watchdog's to know)
 
-    async def request(self, ids: list[int], max_tokens: int | None, seed: int) -> Completion:
+    async def request(self, ids: list[int], max_tokens: int | None, seed: int, grammar: str | None = None) -> Completion:
+        """`grammar`: what the answer must be (rollout.grammar); requests of one grammar share a call."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.waiting.append((ids, max_tokens, seed, future))
+        self.waiting.append((ids, max_tokens, seed, grammar, future))
         self.requests += 1
         self._maybe_flush()
         if not future.done():
@@ -684,14 +685,19 @@ class _Batcher:
     def _maybe_flush(self, stalled: bool = False) -> None:
         # A request the function stopped waiting for (asyncio.wait_for past its time) is dropped:
         # its trajectory no longer waits on it, and its future takes no result.
-        self.waiting = [w for w in self.waiting if not w[3].done()]
+        self.waiting = [w for w in self.waiting if not w[-1].done()]
         if not self.waiting or (len(self.waiting) < self.running and not stalled):
             return
         batch, self.waiting = self.waiting, []
-        budget = max(m or self.params.max_tokens for _, m, _, _ in batch)
+        for grammar in dict.fromkeys(w[3] for w in batch):  # one engine call per grammar, in the order they came
+            self._call([w for w in batch if w[3] == grammar], grammar)
+
+    def _call(self, batch: list, grammar: str | None) -> None:
+        budget = max(m or self.params.max_tokens for _, m, *_ in batch)
         self.generating = True
         try:
-            outs = self.engine.generate([b[0] for b in batch], replace(self.params, max_tokens=budget), [b[2] for b in batch], min_version=self.min_version)
+            params = replace(self.params, max_tokens=budget, grammar=grammar)
+            outs = self.engine.generate([b[0] for b in batch], params, [b[2] for b in batch], min_version=self.min_version)
         except Exception as exc:  # every waiting trajectory fails with the engine's error
             for *_, future in batch:
                 if not future.done():
@@ -699,7 +705,7 @@ class _Batcher:
             return
         finally:
             self.generating = False
-        for (_, max_tokens, _, future), out in zip(batch, outs):
+        for (_, max_tokens, _, _, future), out in zip(batch, outs):
             if future.done():  # given up while the engine generated
                 continue
             limit = max_tokens or self.params.max_tokens

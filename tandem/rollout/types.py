@@ -18,6 +18,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # Constrained decoding: what the answer must be, in llguidance's Lark dialect (rollout/grammar.py);
+    # None for free text
+    grammar: str | None = None
 
     def validate(self) -> None:
         checks = [
@@ -27,6 +30,7 @@ class SamplingParams:
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
             (0 <= self.min_p < 1, "min_p", "must be in [0, 1)"),
             (_within(self.repetition_penalty, REPETITION_PENALTY_RANGE), "repetition_penalty", f"must be in {list(REPETITION_PENALTY_RANGE)} (1.0 disables it)"),
+            (self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()), "grammar", "must be a grammar's text or None"),
         ]
         for ok, name, fix in checks:
             if not ok:

@@ -441,7 +441,7 @@ def load_transformers_engine(args: argparse.Namespace):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     lm = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = TransformersEngine(lm, eos_token_ids(tokenizer, lm.generation_config, args.model), pad, keep_packed=True)
+    engine = TransformersEngine(lm, eos_token_ids(tokenizer, lm.generation_config, args.model), pad, keep_packed=True, tokenizer=tokenizer)
     vocab = lm.get_output_embeddings().weight.shape[0]
     return engine, vocab, int(getattr(lm.config, "max_position_embeddings", 4096))
 

@@ -99,15 +99,19 @@ class StreamOptions(_Request):
 
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: dict | None = None  # {"name", "schema", "strict", "description"}
 
     @model_validator(mode="after")
-    def _built(self):
-        # Constrained decoding (a grammar masking the logits) is not built yet: a format asked
-        # for is refused rather than left to chance.
-        if self.type != "text":
-            raise ValueError(f"response_format {self.type} is not supported yet (constrained decoding is not built); leave it out or send 'text'")
+    def _schema(self):
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema", {}), dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema (an object)")
         return self
+
+    def answer(self) -> dict | None:
+        """The schema an answer must be a value of ({} for any object), None for free text."""
+        if self.type == "text":
+            return None
+        return (self.json_schema or {}).get("schema") or {} if self.type == "json_schema" else {}
 
 
 class _Bookkeeping(_Request):
@@ -123,9 +127,26 @@ class _Bookkeeping(_Request):
     prompt_cache_key: str | None = None
 
 
-def _check_tool_choice(tool_choice) -> None:
-    if tool_choice not in (None, "auto", "none"):
-        raise ValueError(f"tool_choice {tool_choice!r} is not supported yet (a forced call needs constrained decoding, not built); use 'auto' or 'none'")
+def _forced_name(tool_choice) -> str | None:
+    """The function a tool_choice names ({"type": "function", "function": {"name": ...}}), else None."""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(tool_choice.get("function"), dict):
+        return tool_choice["function"].get("name")
+    return None
+
+
+def _check_tool_choice(tool_choice, tools: list[str]) -> None:
+    """tool_choice auto, none, required or a named function, of the declared `tools`' names."""
+    if tool_choice in (None, "auto", "none"):
+        return
+    if tool_choice == "required" or _forced_name(tool_choice) is not None:
+        if not tools:
+            raise ValueError(f"tool_choice {tool_choice!r} needs tools: declare the functions the answer must call")
+        name = _forced_name(tool_choice)
+        if name is not None and name not in tools:
+            raise ValueError(f"tool_choice names the function {name!r}, which tools does not declare (declared: {', '.join(tools)})")
+        return
+    raise ValueError(f"tool_choice {tool_choice!r} is not supported: send 'auto', 'none', 'required' or "
+                     "{'type': 'function', 'function': {'name': ...}}")  # fmt: skip
 
 
 class _Sampling(_Bookkeeping):
@@ -179,7 +200,7 @@ class _Sampling(_Bookkeeping):
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(..., min_length=1)
     tools: list[ToolSpec] | None = None
-    tool_choice: str | dict | None = None  # "auto" or "none"
+    tool_choice: str | dict | None = None  # "auto", "none", "required" or a named function (constrained)
     parallel_tool_calls: bool | None = None  # false: at most one call, the text ends after the first
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict | None = None  # vLLM's: accepted where it equals the run's (checked by the serving)
@@ -194,7 +215,7 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _chat(self):
-        _check_tool_choice(self.tool_choice)
+        _check_tool_choice(self.tool_choice, [t.function.name for t in self.tools or ()])
         if self.top_logprobs:
             raise ValueError("top_logprobs is not supported: the engines report the sampled token's log-prob only (logprobs: true)")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
@@ -203,6 +224,18 @@ class ChatCompletionRequest(_Sampling):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def one_call(self) -> bool:
+        """At most one call in the answer: parallel_tool_calls false, or a named tool_choice."""
+        return self.parallel_tool_calls is False or _forced_name(self.tool_choice) is not None
+
+    def forced(self) -> list[dict] | None:
+        """The function specs an answer must call (tool_choice required: any declared one; named:
+        that one), None where the model may answer in text."""
+        name = _forced_name(self.tool_choice)
+        if self.tool_choice != "required" and name is None:
+            return None
+        return [t.function.model_dump(exclude_none=True) for t in self.tools if name is None or t.function.name == name]
 
 
 class CompletionRequest(_Sampling):
@@ -403,9 +436,11 @@ class ResponsesRequest(_Bookkeeping):
         fmt = (self.text or {}).get("format")
         if fmt is not None and fmt.get("type") == "json_schema":  # the Responses API's shape of it, as chat's
             fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-        _check_tool_choice(self.tool_choice)
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:  # the Responses API's shape of it, as chat's
+            choice = {"type": "function", "function": {"name": choice["name"]}}
         tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools] if self.tools else None
-        return ChatCompletionRequest(model=self.model, messages=self.messages(earlier), tools=tools, tool_choice=self.tool_choice,
+        return ChatCompletionRequest(model=self.model, messages=self.messages(earlier), tools=tools, tool_choice=choice,
                                      parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
                                      temperature=self.temperature, top_p=self.top_p, response_format=fmt)  # fmt: skip
 

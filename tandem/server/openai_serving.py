@@ -20,6 +20,7 @@ from collections import OrderedDict
 from jinja2 import TemplateError
 
 from tandem.aio import DaemonPool
+from tandem.rollout.grammar import CallLayout, answer_grammar, check
 from tandem.rollout.sampling import mix64
 from tandem.rollout.tools import TOOL_PARSERS
 from tandem.rollout.types import TEMPERATURE_RANGE, Completion, SamplingParams
@@ -50,6 +51,7 @@ class OpenAIServing:
         # The conversations of the last answers of /v1/responses, for previous_response_id.
         self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
         self._kept_lock = threading.Lock()
+        self._layout: CallLayout | None = None  # how the template writes tool calls, read at the first constrained request
 
     CONVERSATIONS = 1024  # answers kept for previous_response_id
 
@@ -102,10 +104,31 @@ class OpenAIServing:
         self._check_model(req)  # before the template: another model's request is a 404 whatever its messages
         self.check_size(_characters(req), len(req.messages))
         prompt = await self.rendered(self.chat_prompt, req)
-        outs = await self._generate(prompt, req)
+        outs = await self._generate(prompt, req, await self.rendered(self.grammar, req))
         parse = req.tools and req.tool_choice != "none"
         choices = [self._chat_choice(i, out, req, parse) for i, out in enumerate(outs)]
         return self._chat_response(req, prompt, choices, min(o.version for o in outs))
+
+    def grammar(self, req: O.ChatCompletionRequest) -> str | None:
+        """What the answer must be (rollout.grammar): calls of the forced tools, or JSON of the
+        response_format (or a call, where tools may be called), None for free text."""
+        forced, answer, one = req.forced(), req.response_format.answer() if req.response_format else None, req.one_call()
+        if forced:
+            grammar, field = answer_grammar(self.layout(), forced, one), "tools"
+        elif answer is not None:
+            callable_ = [t.function.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+            grammar, field = answer_grammar(self.layout(), callable_, one, answer), "response_format"
+        else:
+            return None
+        check(grammar, field)
+        return grammar
+
+    def layout(self) -> CallLayout:
+        """How the served template writes an answer's tool calls (grammar.CallLayout), read off
+        the answers it renders for one call and for two; Hermes' where it writes them otherwise."""
+        if self._layout is None:
+            self._layout = call_layout(self._tokenizer(), self.template_kwargs)
+        return self._layout
 
     def _chat_response(self, req: O.ChatCompletionRequest, prompt: list[int], choices: list[O.ChatChoice], version: int) -> O.ChatCompletion:
         return O.ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=req.model, choices=choices,
@@ -152,7 +175,7 @@ class OpenAIServing:
 
     async def complete(self, req: O.CompletionRequest) -> O.Completion:
         prompt = await self.text_prompt(req)
-        outs = await self._generate(prompt, req)
+        outs = await self._generate(prompt, req, None)
         choices = [self._text_choice(i, out, req) for i, out in enumerate(outs)]
         return O.Completion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=req.model, choices=choices,
                             usage=_usage(prompt, choices), prompt_token_ids=prompt, version=min(o.version for o in outs))  # fmt: skip
@@ -226,6 +249,7 @@ class OpenAIServing:
                           instructions=req.instructions, tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
                           tool_choice=req.tool_choice or "auto", parallel_tool_calls=req.parallel_tool_calls is not False,
                           previous_response_id=req.previous_response_id, temperature=req.temperature, top_p=req.top_p, usage=usage,
+                          text=req.text or {"format": {"type": "text"}},
                           prompt_token_ids=answer.prompt_token_ids, output_token_ids=choice.token_ids, version=answer.version)  # fmt: skip
 
     def response_events(self, response: O.Response):
@@ -267,7 +291,7 @@ class OpenAIServing:
         if req.model not in self.names:
             raise ModelNotFound(f"model {req.model!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)")
 
-    async def _generate(self, prompt: list[int], req) -> list[Completion]:
+    async def _generate(self, prompt: list[int], req, grammar: str | None) -> list[Completion]:
         self._check_model(req)
         room = self.service.max_model_len - len(prompt)
         if room < 1:
@@ -277,7 +301,7 @@ class OpenAIServing:
             raise ValueError(f"max_tokens={limit}: the prompt's {len(prompt)} tokens leave room for {room} in the model's context")
         temperature = 1.0 if req.temperature is None else max(req.temperature, TEMPERATURE_RANGE[0])
         params = SamplingParams(max_tokens=limit or room, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                                top_k=req.top_k or 0, min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0)  # fmt: skip
+                                top_k=req.top_k or 0, min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0, grammar=grammar)  # fmt: skip
         # A seed given makes the answer reproducible (choice i from seed i of it); without one, fresh ones.
         base = secrets.randbits(63) if req.seed is None else req.seed
         seeds = [mix64(base ^ i) & (2**63 - 1) for i in range(req.n)]
@@ -322,6 +346,30 @@ def _template_message(m: O.Message) -> dict:
             calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
         out["tool_calls"] = calls
     return out
+
+
+def call_layout(tokenizer, template_kwargs: dict) -> CallLayout:
+    """grammar.CallLayout as the chat template writes calls: the answer it renders after the
+    generation prompt for a call of f, and for calls of f and g, split around each call's JSON."""
+    calls = [{"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": {}}} for name in ("f", "g")]
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}} for name in ("f", "g")]
+    user = [{"role": "user", "content": "x"}]
+
+    def answer(n: int) -> str | None:
+        render = lambda messages, more: tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=more, **template_kwargs)
+        try:
+            opened, whole = render(user, True), render([*user, {"role": "assistant", "content": "", "tool_calls": calls[:n]}], False)
+        except TemplateError:
+            return None
+        return whole[len(opened) :] if whole.startswith(opened) else None
+
+    one, two = answer(1), answer(2)
+    f, g = (json.dumps({"name": name, "arguments": {}}) for name in ("f", "g"))
+    if one is None or two is None or f not in one or f not in two or g not in two:
+        return CallLayout()
+    end = one[one.index(f) + len(f) :]
+    last = end[: end.index(tokenizer.eos_token)] if tokenizer.eos_token and tokenizer.eos_token in end else end.rstrip()
+    return CallLayout(first=one[: one.index(f)], between=two[two.index(f) + len(f) : two.index(g)], last=last)
 
 
 def _characters(req: O.ChatCompletionRequest) -> int:

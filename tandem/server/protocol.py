@@ -2,8 +2,9 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tandem.rollout.grammar import check
 from tandem.rollout.types import REPETITION_PENALTY_RANGE, TEMPERATURE_RANGE
 
 
@@ -20,6 +21,14 @@ class Sampling(_Strict):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     min_p: float = Field(0.0, ge=0, lt=1)
     repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1], description="1.0 disables it.")
+    grammar: str | None = Field(None, min_length=1, max_length=1 << 20, description="Constrained decoding: llguidance's Lark dialect (tandem/rollout/grammar.py).")
+
+    @field_validator("grammar")
+    @classmethod
+    def _compiles(cls, grammar):
+        if grammar is not None:
+            check(grammar, "sampling.grammar")
+        return grammar
 
 
 class GenerateRequest(_Strict):

@@ -97,7 +97,7 @@ class Turn:
 
 
 # (token ids, max tokens, seed) -> the engine's completion, generated with the round's weights
-Submit = Callable[[list[int], int, int], Awaitable[Completion]]
+Submit = Callable[[list[int], int, int, str | None], Awaitable[Completion]]  # ids, max_tokens, seed, grammar
 
 
 class Session:
@@ -154,10 +154,10 @@ class Session:
         self.limited, row.finish = True, "length"
         raise SessionLimit(f"{why}; the agent's episode ends here")
 
-    async def generate(self, turn: Turn, limit: int | None) -> Completion:
+    async def generate(self, turn: Turn, limit: int | None, grammar: str | None = None) -> Completion:
         seed = turn_seed(self.seed, self.turns - 1)
         try:
-            return await self.submit(turn.context, min(limit or turn.room, turn.room), seed)
+            return await self.submit(turn.context, min(limit or turn.room, turn.room), seed, grammar)
         except Exception as exc:  # the engine's: the round fails with it (never an agent's error)
             self.engine_error = exc
             raise
@@ -272,7 +272,7 @@ class SessionServing(OpenAIServing):
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         async with session.lock:
             turn = await self.rendered(session.chat_turn, messages, tools, lambda: self.chat_prompt(req), self.glue)
-            out = await session.generate(turn, req.limit())
+            out = await session.generate(turn, req.limit(), await self.rendered(self.grammar, req))
             prompt = turn.context  # before record() joins the answer to the row
             choice = self._chat_choice(0, out, req, bool(req.tools) and req.tool_choice != "none")
             finish = "length" if choice.finish_reason == "length" else "stop"  # tool_calls: the turn stopped

@@ -195,7 +195,7 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None) -> Run:
         else:
             eos_ids = eos_token_ids(tokenizer, learner.lm.generation_config, config.model_name_or_path)
             all_done = (lambda done: dist.all_collective(done, "sequences done (sharded decoding)")) if lockstep else None
-            engine, push = TransformersEngine(learner.lm, eos_ids, tokenizer.pad_token_id, state.version, all_done), None
+            engine, push = TransformersEngine(learner.lm, eos_ids, tokenizer.pad_token_id, state.version, all_done, tokenizer=tokenizer), None
         engine.version = state.version
         producer = _producer(config, dist, table, tokenizer, reward_fns, engine, rollouts)
         undo.callback(producer.close, False)

@@ -99,7 +99,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
         tokenizer.pad_token = tokenizer.eos_token
     options = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length, {})
     table, _ = load_prompts(dataset, tokenizer, options, getattr(lm.config, "max_position_embeddings", None))
-    engine = TransformersEngine(lm.eval(), eos_token_ids(tokenizer, lm.generation_config, model), tokenizer.pad_token_id)
+    engine = TransformersEngine(lm.eval(), eos_token_ids(tokenizer, lm.generation_config, model), tokenizer.pad_token_id, tokenizer=tokenizer)
     try:
         return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, seed, pass_threshold)
     finally:
