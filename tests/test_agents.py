@@ -12,6 +12,7 @@ and failures end an episode with a metric; sessions refuse what they cannot hono
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 import openai
 import pytest
@@ -35,7 +36,7 @@ QUESTIONS = ["2+3=", "4+1="]
 def local(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     lm = AutoModelForCausalLM.from_pretrained(tiny_model)
-    return TransformersEngine(lm, eos_token_ids(tok, lm.generation_config, str(tiny_model)), tok.pad_token_id), tok
+    return TransformersEngine(lm, eos_token_ids(tok, lm.generation_config, str(tiny_model)), tok.pad_token_id, tokenizer=tok), tok
 
 
 def _run(local, fn, seeds=(11, 22), timeout=30.0, failure="drop", max_turns=8, max_len=64, min_version=0, max_prompt=None, name="test:agent", workers=0):
@@ -57,17 +58,18 @@ def _turn_starts(mask: list[int]) -> list[int]:
     return [k for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1])]
 
 
-def _assert_engine_tokens(local, traj, seed: int):
+def _assert_engine_tokens(local, traj, seed: int, grammars=None):
     """Each run of trained tokens is what the engine generates on the tokens before it, from the
     seed of its turn of the session (the trained row's turns are the session's last): token ids
-    and behaviour log-probs alike."""
+    and behaviour log-probs alike. `grammars`: each turn's, where they were constrained."""
     engine, _ = local
     first_turn = traj.info["agent"]["requests"] - traj.info["turns"]
     starts = _turn_starts(traj.loss_mask)
     assert len(starts) == traj.info["turns"] >= 1
     for k, pos in enumerate(starts):
         end = next((j for j in range(pos, len(traj.loss_mask)) if not traj.loss_mask[j]), len(traj.loss_mask))
-        (want,) = engine.generate([traj.prompt_ids + traj.token_ids[:pos]], PARAMS, [turn_seed(seed, first_turn + k)])
+        params = replace(PARAMS, max_tokens=max(PARAMS.max_tokens, end - pos), grammar=grammars[k] if grammars else None)
+        (want,) = engine.generate([traj.prompt_ids + traj.token_ids[:pos]], params, [turn_seed(seed, first_turn + k)])
         assert traj.token_ids[pos:end] == want.token_ids[: end - pos]
         assert traj.logprobs[pos:end] == pytest.approx(want.logprobs[: end - pos], abs=1e-5)
     assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.loss_mask) if not m)
@@ -265,7 +267,7 @@ def test_a_sessions_turns_join_as_the_template_renders_them_and_each_answer_repo
     answers = [tok.encode("Hi", add_special_tokens=False) + [im_end], tok.encode("Yes", add_special_tokens=False) + [im_end],
                tok.encode("Maybe so, yes", add_special_tokens=False)]  # fmt: skip
 
-    async def submit(ids, max_tokens, seed):
+    async def submit(ids, max_tokens, seed, grammar):
         ids = answers.pop(0)
         return Completion(ids, [-0.5] * len(ids), "stop" if ids[-1] == im_end else "length", 0)
 
@@ -423,7 +425,7 @@ def test_a_responses_function_call_comes_back_as_an_item_and_its_output_continue
     call = tok.encode('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', add_special_tokens=False) + [im_end]
     answers = [call, tok.encode("5", add_special_tokens=False) + [im_end]]
 
-    async def submit(ids, max_tokens, seed):
+    async def submit(ids, max_tokens, seed, grammar):
         ids = answers.pop(0)
         return Completion(ids, [-0.5] * len(ids), "stop", 0)
 
@@ -444,6 +446,39 @@ def test_a_responses_function_call_comes_back_as_an_item_and_its_output_continue
     assert item["type"] == "function_call" and item["name"] == "add" and json.loads(item["arguments"]) == {"a": 2, "b": 3}
     assert second.output[0]["content"][0]["text"] == "5" and len(row.versions) == 2
     assert "<tool_response>\n5\n</tool_response>" in tok.decode(row.ids) and row.mask.count(1) == len(call) + 2
+
+
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}  # a random model's numbers are long otherwise
+ADD = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a", "b"]}}},
+       {"type": "function", "function": {"name": "now"}}]  # fmt: skip
+SUM = {"type": "json_schema", "json_schema": {"name": "sum", "schema": {"type": "object", "properties": {"sum": DIGIT}, "required": ["sum"], "additionalProperties": False}, "strict": True}}
+
+
+async def _forced(row, client):
+    """What smolagents' ToolCallingAgent and a structured-output agent send: a call forced
+    (tool_choice required), its result, then the answer as JSON of a schema."""
+    messages = list(row["prompt"])
+    called = await client.chat.completions.create(model="any", messages=messages, tools=ADD, tool_choice="required", max_tokens=120)
+    (call,) = called.choices[0].message.tool_calls[:1]
+    messages += [called.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    answer = await client.chat.completions.create(model="any", messages=messages, tools=ADD, response_format=SUM, max_tokens=64)
+    return float(json.loads(answer.choices[0].message.content)["sum"] == 5)
+
+
+@pytest.mark.quick
+def test_a_forced_call_and_a_json_answer_train_as_the_template_renders_them_from_the_masked_engine(local):
+    # The random model would never write either: each turn is its grammar by construction, the
+    # call re-renders to its own tokens (one row), and the trained tokens are the constrained
+    # engine's from the turn's seed.
+    (traj,), _ = _run(local, _forced, seeds=(3,), max_len=400)
+    assert traj.info["agent"]["why"] is None, traj.info["agent"]["why"]
+    assert traj.info["agent"]["new_rows"] == 0 and traj.info["turns"] == 2 and traj.info["environment_reward"] in (0.0, 1.0)
+    _, tok = local
+    serving = SessionServing(SessionStore(), tok, "policy", PARAMS, {}, "hermes")
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    grammars = [serving.grammar(O.ChatCompletionRequest(model="policy", messages=messages, tools=ADD, tool_choice="required")),
+                serving.grammar(O.ChatCompletionRequest(model="policy", messages=messages, tools=ADD, response_format=SUM))]  # fmt: skip
+    _assert_engine_tokens(local, traj, 3, grammars)
 
 
 async def _sdk_responses_agent(row, client):
