@@ -508,6 +508,42 @@ def test_the_agents_sdks_default_responses_model_trains_on_the_engines_tokens(lo
     _assert_engine_tokens(local, traj, 8)
 
 
+async def _sdk_structured_agent(row, client):
+    """The Agents SDK's structured ways, each a default the endpoint refused before: a tool call
+    forced by ModelSettings(tool_choice="required"), then an output_type (the Responses API's
+    text.format json_schema)."""
+    from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+    from pydantic import BaseModel, Field
+
+    set_tracing_disabled(True)
+    set_default_openai_client(client, use_for_tracing=False)
+
+    @function_tool
+    def add(a: int, b: int) -> str:
+        """Add two numbers."""
+        return str(a + b)
+
+    class Sum(BaseModel):
+        sum: int = Field(ge=0, le=9)
+
+    forced = Agent(name="adder", instructions="Add.", model="policy", tools=[add], model_settings=ModelSettings(tool_choice="required"),
+                   tool_use_behavior="stop_on_first_tool")  # fmt: skip
+    called = await Runner.run(forced, row["prompt"][-1]["content"], max_turns=2)
+    typed = await Runner.run(Agent(name="typed", instructions="Add.", model="policy", output_type=Sum), row["prompt"][-1]["content"], max_turns=1)
+    return float(int(called.final_output) == typed.final_output.sum)
+
+
+def test_the_agents_sdks_forced_tool_choice_and_output_type_are_enforced(local):
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK (./setup.sh installs it; the vLLM environment cannot: websockets<17)")
+    (traj,), _ = _run(local, _sdk_structured_agent, seeds=(6,), max_len=400)
+    assert traj.info["agent"]["why"] is None, traj.info["agent"]["why"]
+    assert traj.info["agent"]["requests"] == 2 and traj.info["environment_reward"] in (0.0, 1.0), traj.info["agent"]
+    # the row trained is the typed run's: its answer is JSON of the SDK's schema for Sum
+    _, tok = local
+    answer = tok.decode([t for t, m in zip(traj.token_ids, traj.loss_mask) if m], skip_special_tokens=True)
+    assert 0 <= json.loads(answer)["sum"] <= 9 and traj.info["agent"]["new_rows"] == 1
+
+
 # Agents that take their process down, or hold it: contained only by agent_workers.
 UNRULY_AGENTS = """
 import os, threading, time
