@@ -15,12 +15,10 @@ import time
 from dataclasses import replace
 
 import openai
+import pydantic
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import cli_here
-from tandem.demo import addition_rows, write_jsonl
 from tandem.engines.engine import TransformersEngine, eos_token_ids
 from tandem.rollout.agents import AgentFunction, AgentOptions
 from tandem.rollout.multiturn import Prompt, turn_seed
@@ -542,6 +540,72 @@ def test_the_agents_sdks_forced_tool_choice_and_output_type_are_enforced(local):
     _, tok = local
     answer = tok.decode([t for t, m in zip(traj.token_ids, traj.loss_mask) if m], skip_special_tokens=True)
     assert 0 <= json.loads(answer)["sum"] <= 9 and traj.info["agent"]["new_rows"] == 1
+
+
+# ---- the frameworks themselves, as their docs write them (the `agents` extra installs them)
+
+
+class _Sum(pydantic.BaseModel):
+    sum: int = pydantic.Field(ge=0, le=9)  # a random model's numbers are long otherwise
+
+
+async def _smolagents_agent(row, client):
+    """smolagents' ToolCallingAgent: tool_choice "required" on every request, its final answer a
+    call of its own final_answer tool. It is synchronous, so it runs in a thread."""
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Adds two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    model = OpenAIServerModel(model_id="policy", api_base=str(client.base_url), api_key=client.api_key, max_tokens=300)
+    agent = ToolCallingAgent(tools=[add], model=model, max_steps=2, verbosity_level=0)
+    agent.prompt_templates["system_prompt"] = "Call a tool."  # its own is 3.4k tokens of this tokenizer, past the tiny model's context
+    answer = await asyncio.to_thread(agent.run, row["prompt"][-1]["content"])
+    return float(str(answer) == row["answer"])
+
+
+async def _langchain_agent(row, client):
+    """LangChain's with_structured_output at its default (response_format json_schema, strict)."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key, max_retries=0, max_tokens=60)
+    out = await llm.with_structured_output(_Sum).ainvoke(row["prompt"])
+    return float(out.sum == int(row["answer"]))
+
+
+async def _pydantic_ai_agent(row, client):
+    """pydantic-ai's output_type: its answer a forced call of its final_result tool."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    agent = Agent(OpenAIChatModel("policy", provider=OpenAIProvider(openai_client=client)), output_type=_Sum)
+    result = await agent.run(row["prompt"][-1]["content"])
+    return float(result.output.sum == int(row["answer"]))
+
+
+@pytest.mark.parametrize("framework, agent, calls", [("smolagents", _smolagents_agent, True), ("langchain_openai", _langchain_agent, False),
+                                                     ("pydantic_ai", _pydantic_ai_agent, True)])  # fmt: skip
+def test_agent_frameworks_as_their_docs_write_them_end_without_an_error_and_train_what_the_template_renders(local, framework, agent, calls):
+    # What each sends by default was a 400 before (tool_choice required, response_format): now
+    # the answer is forced into shape, the episode ends without an error, and the trained row
+    # holds what the template renders of it.
+    pytest.importorskip(framework, reason=f"{framework} (./setup.sh installs the agents extra)")
+    (traj,), _ = _run(local, agent, seeds=(3,), max_len=400, timeout=60.0)
+    assert traj.info["agent"]["why"] is None and not traj.info["agent"]["timeout"], traj.info["agent"]
+    _, tok = local
+    answer = tok.decode([t for t, m in zip(traj.token_ids, traj.loss_mask) if m], skip_special_tokens=True)
+    if calls:  # a call laid out as the template writes one
+        assert answer.startswith('\n<tool_call>{"name": "') and answer.endswith("</tool_call>"), answer
+    else:
+        assert 0 <= json.loads(answer)["sum"] <= 9
 
 
 # Agents that take their process down, or hold it: contained only by agent_workers.

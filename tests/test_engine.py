@@ -323,3 +323,29 @@ def test_an_engine_that_keeps_its_packed_weights_packs_once_per_version_and_gene
     expected = TransformersEngine(fresh, [tok.eos_token_id], tok.pad_token_id).generate(prompts, params, seeds)
     assert third == first and [a.token_ids for a in after] == [b.token_ids for b in expected]
     assert [a.token_ids for a in after] != [a.token_ids for a in out]
+
+
+def test_constrained_rows_are_their_grammar_whatever_leaves_the_batch_and_both_masks_agree(tiny_model):
+    # Rows end at different lengths (one of four words, then EOS), so finished ones leave the
+    # batch mid-call and the rest keep their own grammar state; a row is the same alone.
+    import llguidance.torch
+
+    from tandem.rollout.grammar import apply_eagerly
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    eng = TransformersEngine(AutoModelForCausalLM.from_pretrained(tiny_model), [tok.eos_token_id], tok.pad_token_id, tokenizer=tok)
+    words = ["a", "bb", "cccccc", "dddddddddddd"]
+    params = SamplingParams(max_tokens=20, grammar="start: " + " | ".join(f'"{w}"' for w in words))
+    prompt = tok("pick:", add_special_tokens=False)["input_ids"]
+    outs = eng.generate([prompt] * 8, params, list(range(8)))
+    texts = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    assert all(t in words and o.finish_reason == "stop" and o.token_ids[-1] == tok.eos_token_id for t, o in zip(texts, outs)), texts
+    assert len({len(o.token_ids) for o in outs}) > 1  # rows left the batch at different steps
+    (alone,) = eng.generate([prompt], params, [5])
+    assert alone.token_ids == outs[5].token_ids and alone.logprobs == pytest.approx(outs[5].logprobs, abs=1e-6)
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, 9), dtype=torch.int32)
+    compiled = torch.randn(3, 280)
+    eager = compiled.clone()
+    llguidance.torch.apply_token_bitmask_inplace(compiled, bits)
+    apply_eagerly(eager, bits)
+    assert torch.equal(compiled, eager)
