@@ -1026,6 +1026,43 @@ def test_a_run_whose_agents_mostly_fail_stops_with_their_first_error_and_keeps_w
     assert "trained 2 of 2 steps" in proc.stderr and (out / "checkpoint-2").is_dir() and "Traceback" not in proc.stderr
 
 
+# Structured output as two frameworks write it: LangChain's with_structured_output (chat's
+# response_format json_schema) and the Agents SDK's output_type on its Responses model.
+TYPED_AGENT = """
+from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
+
+
+class Sum(BaseModel):
+    sum: int = Field(ge=0, le=99)
+
+
+async def typed(row, client):
+    set_tracing_disabled(True)
+    llm = ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key, max_retries=0, max_tokens=40)
+    chained = await llm.with_structured_output(Sum).ainvoke(row["prompt"])
+    agent = Agent(name="typed", model=OpenAIResponsesModel(model="policy", openai_client=client), output_type=Sum)
+    sdk = await Runner.run(agent, row["prompt"][-1]["content"], max_turns=1)
+    return float(chained.sum == sdk.final_output.sum == int(row["answer"]))
+"""
+
+
+def test_frameworks_structured_output_trains_through_a_rollout_server_with_no_agent_error(tool_model, files, server, tmp_path):
+    # Both were a 400 before ("response_format ... is not supported"): every episode failed.
+    pytest.importorskip("langchain_openai", reason="LangChain (./setup.sh installs the agents extra)")
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK (./setup.sh installs it; the vLLM environment cannot: websockets<17)")
+    folder, data = files
+    (folder / "typed_agent.py").write_text(TYPED_AGENT)
+    out = tmp_path / "run"
+    train(1, _args(tool_model, data, out, 8, "--max_steps", "2", "--reward_funcs", "environment", "--agent_func", f"{folder / 'typed_agent.py'}:typed",
+                   "--rollout_mode", "server", "--rollout_server_urls", server.url))  # fmt: skip
+    metrics, completions = _read(out)
+    assert all(m["agents/errors"] == 0 and m["agents/timeouts"] == 0 for m in metrics), metrics
+    answers = [json.loads(c["completion"].removesuffix("<|im_end|>")) for c in completions]  # the SDK's, the row trained
+    assert len(answers) == 16 and all(0 <= a["sum"] <= 99 for a in answers)
+
+
 def test_a_killed_async_agent_run_resumes_bitwise_from_rounds_of_whole_sessions(tool_model, files, server, tmp_path):
     # Without the off-policy correction: the server batches the agents' requests as they arrive
     # over HTTP, which can move the last bits of the behaviour log-probs (never a token), and the
