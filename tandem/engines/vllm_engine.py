@@ -1,9 +1,10 @@
 """The vLLM engine: vLLM's AsyncLLM behind the Engine protocol (`tandem rollout --engine vllm`).
 
 vLLM runs in its own processes (an engine core and its workers); this object lives in the rollout
-server and talks to it on an asyncio loop of its own thread. Token ids go in and out (vLLM loads
-no tokenizer), one vLLM request per completion with that completion's seed, so vLLM's scheduler
-batches every client's sequences continuously and a sequence's tokens do not depend on the batch.
+server and talks to it on an asyncio loop of its own thread. Token ids go in and out (vLLM's
+tokenizer serves only its structured outputs: a grammar), one vLLM request per completion with
+that completion's seed, so vLLM's scheduler batches every client's sequences continuously and a
+sequence's tokens do not depend on the batch.
 """
 
 import asyncio

@@ -109,9 +109,9 @@ class ResponseFormat(_Request):
 
     def answer(self) -> dict | None:
         """The schema an answer must be a value of ({} for any object), None for free text."""
-        if self.type == "text":
-            return None
-        return (self.json_schema or {}).get("schema") or {} if self.type == "json_schema" else {}
+        if self.type == "json_schema":
+            return (self.json_schema or {}).get("schema") or {}
+        return {} if self.type == "json_object" else None
 
 
 class _Bookkeeping(_Request):
