@@ -10,6 +10,7 @@ and failures end an episode with a metric; sessions refuse what they cannot hono
 """
 
 import asyncio
+import functools
 import json
 import time
 from dataclasses import replace
@@ -571,28 +572,34 @@ async def _smolagents_agent(row, client):
     return float(str(answer) == row["answer"])
 
 
-async def _langchain_agent(row, client):
-    """LangChain's with_structured_output at its default (response_format json_schema, strict)."""
+async def _langchain_agent(row, client, responses=False):
+    """LangChain's with_structured_output at its default (response_format json_schema, strict),
+    over chat or, `responses`, the Responses API (text.format)."""
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key, max_retries=0, max_tokens=60)
+    llm = ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key, max_retries=0, max_tokens=60, use_responses_api=responses)
     out = await llm.with_structured_output(_Sum).ainvoke(row["prompt"])
     return float(out.sum == int(row["answer"]))
 
 
-async def _pydantic_ai_agent(row, client):
-    """pydantic-ai's output_type: its answer a forced call of its final_result tool."""
+async def _pydantic_ai_agent(row, client, responses=False):
+    """pydantic-ai's output_type: its answer a forced call of its final_result tool, over chat or,
+    `responses`, the Responses API."""
     from pydantic_ai import Agent
-    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    agent = Agent(OpenAIChatModel("policy", provider=OpenAIProvider(openai_client=client)), output_type=_Sum)
+    model = (OpenAIResponsesModel if responses else OpenAIChatModel)("policy", provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model, output_type=_Sum)
     result = await agent.run(row["prompt"][-1]["content"])
     return float(result.output.sum == int(row["answer"]))
 
 
-@pytest.mark.parametrize("framework, agent, calls", [("smolagents", _smolagents_agent, True), ("langchain_openai", _langchain_agent, False),
-                                                     ("pydantic_ai", _pydantic_ai_agent, True)])  # fmt: skip
+@pytest.mark.parametrize("framework, agent, calls", [
+    ("smolagents", _smolagents_agent, True),
+    ("langchain_openai", _langchain_agent, False), ("langchain_openai", functools.partial(_langchain_agent, responses=True), False),
+    ("pydantic_ai", _pydantic_ai_agent, True), ("pydantic_ai", functools.partial(_pydantic_ai_agent, responses=True), True),
+], ids=["smolagents", "langchain", "langchain-responses", "pydantic-ai", "pydantic-ai-responses"])  # fmt: skip
 def test_agent_frameworks_as_their_docs_write_them_end_without_an_error_and_train_what_the_template_renders(local, framework, agent, calls):
     # What each sends by default was a 400 before (tool_choice required, response_format): now
     # the answer is forced into shape, the episode ends without an error, and the trained row
