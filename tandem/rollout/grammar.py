@@ -14,6 +14,7 @@ softmax of the masked logits / temperature, renormalised over what the grammar a
 recomputes the unconstrained policy's, so the off-policy correction sees the constraint.
 """
 
+import functools
 import json
 import logging
 import threading
@@ -85,9 +86,16 @@ def _literal(text: str) -> str:
 
 def check(grammar: str, field: str) -> None:
     """Refuse a grammar llguidance cannot compile (a JSON schema it does not take), naming `field`."""
-    error = _llguidance().LLMatcher.validate_grammar(grammar)
+    error = _compile_error(grammar)
     if error:
         raise ValueError(f"{field}: cannot be enforced ({error.strip().splitlines()[0]})")
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_error(grammar: str) -> str:
+    """llguidance's error for `grammar`, "" for none: kept, since a session's request is checked by
+    the serving and again by the rollout server's /generate (several ms each for a tool list)."""
+    return _llguidance().LLMatcher.validate_grammar(grammar)
 
 
 class Grammars:
