@@ -60,6 +60,28 @@ def test_each_loss_type_normalises_as_worked_out(loss_type, norm, expected):
     assert loss.item() == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo"])
+def test_a_sequence_split_over_rows_reduces_as_the_one_row_it_makes(loss_type):
+    # Row 0 above cut after its first token into two rows of one sequence (an agent's trajectory
+    # whose history was rewritten, Rollout.rows): the loss and its gradient are those of row 0
+    # whole, whichever reduction. Counted as a sequence each, the rows weigh row 0 as two where a
+    # reduction counts sequences (grpo, dr_grpo, luspo, sapo's grpo); bnpo's and dapo's do not.
+    norm = Normalisation(4, step_tokens=5.0)
+    whole, _, lp = _loss(loss_type, norm)
+    whole.backward()
+    ratios = torch.tensor([[1.5, 0.0, 0.0], [1.0, 0.5, 0.0], [1.1, 0.7, 1.0]])
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    split_lp = ratios.clamp(min=1e-6).log().requires_grad_(True)
+    split, _ = policy_loss(split_lp, torch.zeros(3, 3), torch.tensor([1.0, 1.0, -2.0]), mask, loss_type=loss_type, norm=norm,
+                           sequences=torch.tensor([0, 0, 1]))  # fmt: skip
+    split.backward()
+    assert split.item() == pytest.approx(whole.item(), rel=1e-6)
+    joined = torch.cat([split_lp.grad[0, :1], split_lp.grad[1, :2]])  # row 0's three tokens' gradients
+    assert torch.allclose(joined, lp.grad[0], rtol=1e-6) and torch.allclose(split_lp.grad[2], lp.grad[1], rtol=1e-6)
+    rows, _ = policy_loss(split_lp.detach(), torch.zeros(3, 3), torch.tensor([1.0, 1.0, -2.0]), mask, loss_type=loss_type, norm=norm)
+    assert (rows.item() != pytest.approx(whole.item(), rel=1e-3)) == (loss_type in ("grpo", "dr_grpo", "luspo", "sapo"))
+
+
 def test_every_registered_loss_type_is_covered():
     # each has a worked value above or below: the four clip reductions, then luspo, cispo, sapo, vespo
     assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"}

@@ -20,6 +20,11 @@ a config moves over unchanged. A loss type is a per-token objective and a reduct
 
   grpo bnpo dr_grpo dapo luspo: clip;  cispo: cispo + dapo;  sapo: sapo + grpo;  vespo: vespo + dapo
 
+A sequence of the reductions may span rows: an agent's trajectory whose history was rewritten is
+several rows (Rollout.rows), reduced as the one sequence they make, so that a trajectory weighs
+the same however its framework rendered it. The ratios of importance_sampling_level 'sequence'
+and vespo's weight are per row.
+
 GRPO's per-token KL penalty (Shao et al. 2024, eq. 3, k3 estimator) is added to every objective;
 with kl_bias_correction (TRL's use_bias_correction_kl, on by default there) it is weighted by the
 ratio current/proximal, which carries gradient.
@@ -57,7 +62,8 @@ class Objective:
     vespo_lambda_neg: float = 2.0
 
 
-Reduction = Callable[[torch.Tensor, torch.Tensor, Normalisation], torch.Tensor]
+# (per_token (N, T), mask (N, T), norm, sequences (N,): the sequence 0..S-1 each row belongs to) -> the loss
+Reduction = Callable[[torch.Tensor, torch.Tensor, Normalisation, torch.Tensor], torch.Tensor]
 ObjectiveFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 REDUCTIONS: dict[str, Reduction] = {}
 OBJECTIVES: dict[str, ObjectiveFn] = {}
@@ -95,24 +101,33 @@ def get_reduction(loss_type: str) -> Reduction:
     return get_loss_type(loss_type)[1]
 
 
+def _per_sequence(per_row: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+    """(N,) values of rows -> (S,) their sums per sequence (differentiable)."""
+    return per_row.new_zeros(_count(sequences)).index_add(0, sequences, per_row)
+
+
+def _count(sequences: torch.Tensor) -> int:
+    return int(sequences.max()) + 1 if len(sequences) else 0
+
+
 @register_reduction("grpo")
-def _grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
-    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (N,)
+def _grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation, sequences: torch.Tensor) -> torch.Tensor:
+    per_seq = _per_sequence((per_token * mask).sum(-1), sequences) / _per_sequence(mask.sum(-1), sequences).clamp(min=1.0)  # (S,)
     return per_seq.mean() / norm.grad_accum
 
 
 @register_reduction("bnpo")
-def _bnpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
+def _bnpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation, sequences: torch.Tensor) -> torch.Tensor:
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0) / norm.grad_accum
 
 
 @register_reduction("dr_grpo")
-def _dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
-    return (per_token * mask).sum() / (per_token.shape[0] * norm.max_completion_length) / norm.grad_accum
+def _dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation, sequences: torch.Tensor) -> torch.Tensor:
+    return (per_token * mask).sum() / (_count(sequences) * norm.max_completion_length) / norm.grad_accum
 
 
 @register_reduction("dapo")
-def _dapo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
+def _dapo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation, sequences: torch.Tensor) -> torch.Tensor:
     # A step with no loss tokens (every completion truncated and masked) has loss 0, not 0/0;
     # TRL clamps the count to at least 1 the same way.
     return (per_token * mask).sum() * norm.world_size / max(norm.step_tokens, 1.0)
@@ -138,8 +153,8 @@ def step_token_normalizers(counts: torch.Tensor, how: str) -> torch.Tensor:
 
 
 @register_reduction("luspo")
-def _luspo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation) -> torch.Tensor:
-    return (per_token * mask).sum(-1).mean() / norm.grad_accum
+def _luspo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation, sequences: torch.Tensor) -> torch.Tensor:
+    return _per_sequence((per_token * mask).sum(-1), sequences).mean() / norm.grad_accum
 
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -167,6 +182,7 @@ def policy_loss(
     kl_bias_correction: bool = False,
     keep: torch.Tensor | None = None,
     objective: Objective | None = None,
+    sequences: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch.
 
@@ -180,7 +196,8 @@ def policy_loss(
     (off_policy_sequence_mask, high_entropy_mask); the KL term and the reduction's counts are kept.
     importance_sampling_level "sequence" uses one length-normalised ratio per sequence (GSPO,
     arXiv:2507.18071, eq. 7). `objective` holds the objectives' numbers beyond the clip's
-    (epsilon_low, epsilon_high and delta, given apart, win over its own).
+    (epsilon_low, epsilon_high and delta, given apart, win over its own). sequences (N,): the
+    sequence of the reduction each row belongs to (an agent's rows share one); None: a row each.
     Returns the scalar loss and detached metrics.
     """
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -215,7 +232,9 @@ def policy_loss(
             per_token_kl = per_token_kl * ratio
         per_token = per_token + beta * per_token_kl
         metrics = {"kl": _masked_mean(per_token_kl, mask).detach(), **metrics}
-    return reduce(per_token, mask, norm), metrics
+    if sequences is None:
+        sequences = torch.arange(logprobs.shape[0], device=logprobs.device)
+    return reduce(per_token, mask, norm, sequences.to(logprobs.device)), metrics
 
 
 @register_objective("clip")

@@ -8,9 +8,11 @@ reward functions as `environment_reward`, as an environment's get_reward) or not
 
 Each trajectory is one session (server/sessions.py): what the agent asks is kept as the
 engine's token ids, turn by turn, with behaviour log-probs and versions. The trajectory trained
-is the session's last row: its conversation at the end, which the reward judged. An agent that
-rewrote its history has earlier rows; they are counted (agents/new_rows) and not trained (one
-record per trajectory keeps every round the same size).
+is every row of the session: the last, its conversation at the end, which the reward judged, and
+the rows an agent started by rewriting its history (agents/new_rows), which ride on it
+(Rollout.earlier) with its reward and advantage and train in its micro-batch as one sequence of
+the loss, so that a round keeps its size and N processes still train as 1. agent_train_rows:
+last trains the last row only (agents/rows_per_trajectory says which).
 
 Bounds: agent_timeout for the whole episode; max_turns requests, max_prompt_length and
 max_completion_length tokens per row and the model's context (sessions.Bounds). An agent that
@@ -52,6 +54,7 @@ class AgentOptions:
     bounds: Bounds  # of each session: max_turns, max_completion_length, max_prompt_length, the context
     failure: str  # agent_failure: 'drop' or 'zero'
     workers: int = 0  # agent_workers: processes that run the agents (0: this process's event loop)
+    train_rows: str = "all"  # agent_train_rows: 'all' of a session's rows, or its 'last'
 
 
 class AgentFunction(CoroutineRollouts):
@@ -157,16 +160,22 @@ class AgentFunction(CoroutineRollouts):
     def _trajectory(self, rows: list[Row], requests: int, failed: bool, error: str | None, timed_out: bool, reward: float | None, min_version: int) -> Trajectory:
         turns = [r for r in rows if r.versions]  # rows with at least one answer (a refused first request leaves none)
         # requests: the session's turns, every row's (the trained row's are the last of them)
-        agent = {"error": failed and not timed_out, "timeout": timed_out, "new_rows": max(0, len(turns) - 1), "requests": requests, "why": error}
+        trained = turns if self.options.train_rows == "all" else turns[-1:]
+        agent = {"error": failed and not timed_out, "timeout": timed_out, "new_rows": max(0, len(turns) - 1), "rows": len(trained),
+                 "requests": requests, "why": error}  # fmt: skip
         if not turns:  # nothing to train: the prompt and one eos token, out of the loss
             info = {"turns": 0, "messages": [], "tool_calls": [], "versions": [min_version], "template_rewrites": 0, "environment_reward": None, "agent": agent}
             return Trajectory([self.tokenizer.eos_token_id], [0.0], [0], "error", min_version, None, info)
+        dropped = failed and self.options.failure == "drop"
+        finish = lambda r: "error" if dropped else r.finish  # noqa: E731
+        earlier = [{"prompt_ids": r.prompt_ids, "completion_ids": r.ids, "behav_logprobs": r.logprobs, "loss_mask": r.mask,
+                    "finish_reason": finish(r), "version": min(r.versions)} for r in trained[:-1]]  # fmt: skip
         row = turns[-1]
-        finish = "error" if failed and self.options.failure == "drop" else row.finish
         info = {"turns": len(row.versions), "messages": row.messages[row.prompt_length :] if row.chat else [], "tool_calls": [], "versions": row.versions,
                 "template_rewrites": row.rewrites, "environment_reward": reward, "agent": agent,
                 "zero_reward": failed and self.options.failure == "zero"}  # fmt: skip
-        return Trajectory(row.ids, row.logprobs, row.mask, finish, min(row.versions), row.prompt_ids, info)
+        version = min(v for r in trained for v in r.versions)
+        return Trajectory(row.ids, row.logprobs, row.mask, finish(row), version, row.prompt_ids, info, earlier=earlier or None)
 
     def close(self) -> None:
         if self.gateway is not None:

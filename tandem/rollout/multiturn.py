@@ -56,6 +56,7 @@ class Trajectory:
     prompt_ids: list[int] | None = None  # a new prompt (an environment's first observation), else None
     info: dict | None = None  # turns: messages, tool calls, versions, an environment's reward (JSON)
     token_versions: list[list[int]] | None = None  # partial rollouts: the model tokens' versions, [version, count] runs
+    earlier: list[dict] | None = None  # an agent's rows before this one (Rollout.earlier)
 
 
 class Rollouts(Protocol):

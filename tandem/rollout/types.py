@@ -1,6 +1,6 @@
 """The records that carry a completion from the engine to the loss."""
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 FINISH_REASONS = ("stop", "length", "error")
 # Bounds that keep logits / temperature and the penalised logits finite in float32 (and bf16).
@@ -75,6 +75,15 @@ class Rollout:
     # as [version, count] pairs in order (a sequence carried across weight updates). None: every
     # token is of `version` (of a multi-turn one, of its turn: turns["versions"]).
     token_versions: list[list[int]] | None = None
+    # An agent's trajectory of several rows (one per history it rewrote, rollout/agents.py): the
+    # rows before this one, each a dict of prompt_ids, completion_ids, behav_logprobs, loss_mask,
+    # finish_reason and version. They train with this rollout's reward and advantage (rows()).
+    earlier: list[dict] | None = None
+
+    def rows(self) -> list["Rollout"]:
+        """What trains: the earlier rows, then this one; one sequence of the loss's reduction."""
+        last = replace(self, earlier=None)
+        return [replace(last, turns=None, token_versions=None, **row) for row in self.earlier or []] + [last]
 
     @property
     def model_tokens(self) -> int:

@@ -435,7 +435,7 @@ def _agents(config: TrainConfig, tokenizer, template_kwargs: dict, max_len: int 
         fn = load_object(config.agent_func, "agent_func")
         serving = SessionServing(SessionStore(), tokenizer, config.model_name_or_path, config.sampling_params(), template_kwargs, config.tool_parser, max_len)
         bounds = Bounds(config.max_turns, config.max_completion_length, config.max_prompt_length, max_len)
-        options = AgentOptions(config.agent_timeout, bounds, config.agent_failure, config.agent_workers)
+        options = AgentOptions(config.agent_timeout, bounds, config.agent_failure, config.agent_workers, config.agent_train_rows)
         return AgentFunction(fn, config.agent_func, tokenizer, serving, options)
     except (ValueError, OSError, ImportError, TypeError) as exc:
         raise ConfigError(str(exc)) from exc

@@ -114,6 +114,7 @@ class TrainConfig:
     max_turns: int = opt(32, "With agent_func: most requests per session; the next is refused and the episode ends there.", "tools and multi-turn")
     agent_workers: int = opt(0, "With agent_func: worker processes that run the agents, one episode at a time each: an agent that ends its process (os._exit, a crash), blocks its event loop or holds a thread for ever takes only its worker with it; its episode fails (agents/errors, agents/timeouts) and a fresh worker takes its place. 0: agents run on the trainer's event loop (docs/agents.md says what they can still do there). The agent must be importable by its spec, its rows picklable.", "tools and multi-turn")
     agent_failure: str = opt("drop", "With agent_func, an agent that raises or times out: 'drop' its trajectory (no reward, no loss, as an engine's error) or 'zero' (reward 0 for what it generated).", "tools and multi-turn")
+    agent_train_rows: str = opt("all", "With agent_func: which rows of a session train. An agent that rewrites its history (a framework that re-renders it, a template that drops earlier reasoning) starts a new row at that request; 'all' trains every row with the trajectory's reward and advantage (together one sequence of the loss), 'last' only the conversation at the end.", "tools and multi-turn")
     max_tool_calling_iterations: int | None = opt(None, "Most turns that call tools per trajectory; none: until a turn calls none or max_completion_length is filled (TRL's).", "tools and multi-turn")
     tool_parser: str = opt("hermes", "How tool calls are found in the model's text: 'hermes', <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Qwen3).", "tools and multi-turn")
     tool_timeout: float = opt(30.0, "Seconds one tool call may take; a call past it gives the model an error message as its result.", "tools and multi-turn")
@@ -341,6 +342,7 @@ class TrainConfig:
         need(self.agent_timeout > 0, "agent_timeout", "must be > 0 seconds")
         need(self.max_turns >= 1, "max_turns", "must be >= 1")
         need(self.agent_failure in ("drop", "zero"), "agent_failure", "must be 'drop' or 'zero'")
+        need(self.agent_train_rows in ("all", "last"), "agent_train_rows", "must be 'all' or 'last'")
         need(self.agent_workers >= 0, "agent_workers", "must be >= 0 (0: agents run in the trainer's process)")
 
     def _validate_run(self, need) -> None:
@@ -530,7 +532,7 @@ class TrainConfig:
             **{k: (not (self.tools or self.environment_factory), "tools or environment_factory")
                for k in ("max_tool_calling_iterations", "tool_timeout", "max_tool_response_tokens")},
             "tool_parser": (not (self.tools or self.environment_factory or self.agent_func), "tools, environment_factory or agent_func"),
-            **{k: (not self.agent_func, "agent_func") for k in ("agent_timeout", "max_turns", "agent_failure", "agent_workers")},
+            **{k: (not self.agent_func, "agent_func") for k in ("agent_timeout", "max_turns", "agent_failure", "agent_workers", "agent_train_rows")},
             "tool_workers": (not self.tools, "tools"),
         }
         out = [f"{name}={getattr(self, name)!r} has no effect without {needs}" for name, (unused, needs) in idle.items()

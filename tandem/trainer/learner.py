@@ -22,7 +22,7 @@ from tandem.algo import (
 from tandem.engines.engine import eval_mode
 from tandem.rollout.types import Rollout
 from tandem.trainer import sharding
-from tandem.trainer.batch import collate, completion_logprobs
+from tandem.trainer.batch import MAX_BUCKETS, collate, completion_logprobs
 from tandem.trainer.dist import Dist
 
 
@@ -107,10 +107,11 @@ class Learner:
     # ------------------------------------------------------------------ log-probs without gradient
 
     def proximal_logprobs(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        """Log-probs of the rollouts' rows (Rollout.rows, in order) under the policy."""
         return self._logprobs_no_grad(self.model, rollouts)
 
     def reference_logprobs(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
-        """Log-probs of the reference model: with LoRA, the policy with its adapters disabled."""
+        """Of the rows, under the reference model: with LoRA, the policy with its adapters disabled."""
         if self.ref_model is not None:
             return self._logprobs_no_grad(self.ref_model, rollouts)
         with self.lm.disable_adapter():
@@ -121,11 +122,13 @@ class Learner:
         """Log-probs without gradient (proximal or reference policy), under the training forward's
         autocast: the reference model is not prepared by accelerate, and a reference in fp32
         against a bf16 policy would make KL(current || ref) non-zero at step 0. In eval mode, as
-        TRL computes them: no dropout in the policies the ratio and the KL compare with."""
+        TRL computes them: no dropout in the policies the ratio and the KL compare with. A chunk
+        is micro_batch rollouts with their rows, so that every rank makes as many calls."""
         out = []
         for lo in range(0, len(rollouts), self.micro_batch):
-            chunk = rollouts[lo : lo + self.micro_batch]
-            mb = collate(chunk, self.pad_id, self.dist.device, False, lockstep=self.lockstep)
+            sequences = rollouts[lo : lo + self.micro_batch]
+            chunk = [row for r in sequences for row in r.rows()]
+            mb = collate(chunk, self.pad_id, self.dist.device, False, self._buckets(len(sequences)), lockstep=self.lockstep)
             if self.lockstep:
                 self.dist.enter("forward (sharded, no gradient)")
             with eval_mode(model), self.dist.accelerator.autocast():
@@ -133,13 +136,20 @@ class Learner:
             out += [logps[i, : len(r.completion_ids)].cpu() for i, r in enumerate(chunk)]
         return out
 
+    def _buckets(self, sequences: int) -> int:
+        """Most buckets of a micro-batch of `sequences` sequences: in lockstep, what every rank can
+        make alike (a sequence may be several rows, more on one rank than another)."""
+        return min(MAX_BUCKETS, sequences) if self.lockstep else MAX_BUCKETS
+
     # ------------------------------------------------------------------ the update
 
-    def micro_step_collective(self, rollouts, idx, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
-        """Forward and backward of one micro-batch; gradients are synced on the last one only
-        (then the backward is a collective)."""
+    def micro_step_collective(self, rows, idx, sequences, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
+        """Forward and backward of one micro-batch, the rows `idx` of `rows` (N_rows,), each of the
+        sequence `sequences` (n,) of the reduction; `advantages` and the log-probs are per row.
+        Gradients are synced on the last micro-batch only (then the backward is a collective)."""
         cfg, obj = self.loss, self.loss.objective
-        mb = collate([rollouts[i] for i in idx], self.pad_id, self.dist.device, cfg.mask_truncated_completions, lockstep=self.lockstep)
+        mb = collate([rows[i] for i in idx], self.pad_id, self.dist.device, cfg.mask_truncated_completions, self._buckets(int(sequences.max()) + 1),
+                     lockstep=self.lockstep)  # fmt: skip
         C, mask = mb.completion_ids.shape[1], mb.completion_mask
         self.grad_sync(sync)
         if self.lockstep:
@@ -156,7 +166,7 @@ class Learner:
         loss, stats = policy_loss(
             logps, old, adv, mask, loss_type=cfg.loss_type, norm=norm, epsilon_low=obj.epsilon_low, epsilon_high=obj.epsilon_high,
             delta=obj.delta, importance_sampling_level=cfg.importance_sampling_level, beta=cfg.beta, ref_logprobs=rows(ref_logps),
-            is_weights=is_weights, kl_bias_correction=cfg.kl_bias_correction, keep=keep, objective=obj,
+            is_weights=is_weights, kl_bias_correction=cfg.kl_bias_correction, keep=keep, objective=obj, sequences=sequences,
         )  # fmt: skip
         stats.update(is_metrics)
         if keep is not None:  # the share of the loss tokens whose policy gradient counts

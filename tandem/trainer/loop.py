@@ -12,6 +12,7 @@ neither the mode nor the distribution. Functions named *_collective run collecti
 calls them in the same order (TANDEM_TRACE_COLLECTIVES records the sequence; a test compares).
 """
 
+import itertools
 import signal
 import sys
 import time
@@ -38,20 +39,27 @@ class Prepared:
     """A round ready to train: everything its steps read, over every rank where it says so."""
 
     rollouts: list[Rollout]  # this rank's (N_rank,)
+    rows: list[Rollout]  # what trains: each rollout's rows (Rollout.rows), in order (N_rows,)
+    spans: list[range]  # of each rollout, its rows' indices in `rows`
     table: torch.Tensor  # (N, F) rewards of every rank, one column per function
     rewards: torch.Tensor  # (N,) weighted sums
     advantages: torch.Tensor  # (N,)
-    local: torch.Tensor  # (N_rank,) this rank's advantages
+    local: torch.Tensor  # (N_rows,) this rank's advantages, of each row its rollout's
     adv_stats: dict  # detached statistics of group_advantages
     lengths: torch.Tensor  # (N,) completion lengths
     truncated: torch.Tensor  # (N,) 1 where a completion hit max_completion_length
     resampling: torch.Tensor  # (2,) dynamic sampling over every rank: groups dropped, completions generated for them
-    old_logps: torch.Tensor | None  # (N_rank, C) proximal policy, when the policy moves within the round
-    ref_logps: torch.Tensor | None  # (N_rank, C) reference policy, with a KL term
-    behav_logps: torch.Tensor | None  # (N_rank, C) behaviour policy, from a rollout server
+    old_logps: torch.Tensor | None  # (N_rows, C) proximal policy, when the policy moves within the round
+    ref_logps: torch.Tensor | None  # (N_rows, C) reference policy, with a KL term
+    behav_logps: torch.Tensor | None  # (N_rows, C) behaviour policy, from a rollout server
     staleness: dict  # versions behind, over every rank (async)
     orders: list[list[int]]  # per pass, the seeded order its micro-batches take the sequences in
     step_tokens: torch.Tensor  # (num_iterations, steps_per_pass) dapo's divisor of each step: its loss tokens over every rank, or their round's mean
+
+    def micro_batch(self, idx: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The rows of the rollouts `idx` and, of each, which of them it belongs to (the reduction's sequence)."""
+        rows = [j for i in idx for j in self.spans[i]]
+        return rows, torch.tensor([k for k, i in enumerate(idx) for _ in self.spans[i]], dtype=torch.long)
 
 
 def train(config: TrainConfig) -> dict:
@@ -127,8 +135,9 @@ def train_round(run: Run, idle: IdleSteps, agents: AgentFailures | None) -> dict
             stats: dict[str, list] = {}
             loss_sum = torch.zeros(())
             for m, idx in enumerate(micro):
-                loss, mstats = learner.micro_step_collective(batch.rollouts, idx, batch.local, batch.old_logps, batch.ref_logps, batch.behav_logps, norm,
-                                                             sync=m == len(micro) - 1)  # fmt: skip
+                rows, sequences = batch.micro_batch(idx)
+                loss, mstats = learner.micro_step_collective(batch.rows, rows, sequences, batch.local, batch.old_logps, batch.ref_logps, batch.behav_logps,
+                                                             norm, sync=m == len(micro) - 1)  # fmt: skip
                 loss_sum += loss
                 for k, v in mstats.items():
                     stats.setdefault(k, []).append(v)
@@ -169,7 +178,8 @@ def train_round(run: Run, idle: IdleSteps, agents: AgentFailures | None) -> dict
 
 def prepare_collective(run: Run, rnd: Round) -> Prepared:
     """Advantages from every rank's rewards (gathered), the log-probs the loss needs besides the
-    current ones, and each step's token count over every rank (for dapo's normaliser)."""
+    current ones, and each step's token count over every rank (for dapo's normaliser). What
+    trains is the rollouts' rows: several of an agent's trajectory, one of every other rollout."""
     s, learner, dist = run.schedule, run.learner, run.dist
     rollouts, n = rnd.rollouts, len(rnd.rollouts)
     rewards = rewards_lib.combine(rnd.rewards, [r.weight for r in run.reward_fns])  # (N_rank,)
@@ -179,19 +189,22 @@ def prepare_collective(run: Run, rnd: Round) -> Prepared:
     lengths = dist.gather_collective(torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float), "lengths")  # (N,)
     truncated = dist.gather_collective(torch.tensor([r.truncated for r in rollouts], dtype=torch.float), "truncation")  # (N,)
     resampling = dist.gather_collective(torch.tensor([rnd.dropped_groups, rnd.resampled_completions]), "resampling").view(-1, 2).sum(0)  # (2,)
-    C = max(1, max(len(r.completion_ids) for r in rollouts))
+    per = [r.rows() for r in rollouts]
+    rows, starts = [row for p in per for row in p], [0, *itertools.accumulate(len(p) for p in per)]
+    spans = [range(a, b) for a, b in zip(starts, starts[1:])]
+    C = max(1, max(len(r.completion_ids) for r in rows))
     # The proximal policy is the weights at the round's start. With one optimizer step per round
     # those are the weights of every forward in the round, so its log-probs are the current
     # ones, detached; only when the policy moves within the round are they recomputed first.
     moves = s.num_iterations * s.steps_per_pass > 1
-    old_logps = _pad_rows(learner.proximal_logprobs(rollouts), C) if moves else None  # (N_rank, C)
-    ref_logps = _pad_rows(learner.reference_logprobs(rollouts), C) if learner.loss.beta != 0.0 else None  # (N_rank, C)
+    old_logps = _pad_rows(learner.proximal_logprobs(rollouts), C) if moves else None  # (N_rows, C)
+    ref_logps = _pad_rows(learner.reference_logprobs(rollouts), C) if learner.loss.beta != 0.0 else None  # (N_rows, C)
     # Behaviour log-probs from a rollout server come from other numerics than this forward
     # (another process, dtype or kernel) and, in async mode, from older weights: correct for
     # both, as TRL corrects vLLM's even when generation is synchronous. A colocated engine
     # samples from the trainer's own forward, so its rollouts are on-policy, except with partial
     # rollouts, whose tokens are of older versions in every mode.
-    behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rollouts], C) if s.server or s.partial else None  # (N_rank, C)
+    behav_logps = _pad_rows([torch.tensor(r.behav_logprobs) for r in rows], C) if s.server or s.partial else None  # (N_rows, C)
     staleness = {}
     if s.asynchronous or s.partial:
         # Of each completion's oldest token; with partial rollouts also how many versions its tokens span.
@@ -205,10 +218,11 @@ def prepare_collective(run: Run, rnd: Round) -> Prepared:
     counts = torch.zeros((s.num_iterations, s.steps_per_pass))
     for it, order in enumerate(orders):
         for step in range(s.steps_per_pass):
-            idx = [i for mb in _micro_batches(s, order, step) for i in mb]  # the step's sequences, as trained
-            counts[it, step] = sum(rollouts[i].model_tokens for i in idx if rollouts[i].in_loss(s.mask_truncated))
+            idx = [j for mb in _micro_batches(s, order, step) for i in mb for j in spans[i]]  # the step's rows, as trained
+            counts[it, step] = sum(rows[j].model_tokens for j in idx if rows[j].in_loss(s.mask_truncated))
     step_tokens = step_token_normalizers(dist.sum_collective(counts, "step tokens"), s.token_normalizer)
-    return Prepared(rollouts, table, all_rewards, advantages, advantages[dist.rank * n : (dist.rank + 1) * n], adv_stats, lengths, truncated,
+    local = advantages[dist.rank * n : (dist.rank + 1) * n][torch.tensor([i for i, span in enumerate(spans) for _ in span], dtype=torch.long)]  # (N_rows,)
+    return Prepared(rollouts, rows, spans, table, all_rewards, advantages, local, adv_stats, lengths, truncated,
                     resampling, old_logps, ref_logps, behav_logps, staleness, orders, step_tokens)  # fmt: skip
 
 

@@ -201,10 +201,11 @@ def round_metrics(rnd, reward_names: list[str], table, rewards, adv_stats, lengt
 
 def turn_counts(rollouts, tool_names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's multi-turn counts, to be summed over ranks (trajectories, turns, tool seconds,
-    trajectories whose template rewrote them, then calls and failures per tool), and its most turns."""
+    trajectories whose template rewrote them, agents' errors, timeouts, new rows and rows trained,
+    then calls and failures per tool), and its most turns."""
     per_tool = torch.zeros((len(tool_names), 2))  # (tools, [calls, failures])
     turns = [ro.turns["turns"] for ro in rollouts]
-    seconds = rewrites = errors = timeouts = new_rows = 0.0
+    seconds = rewrites = errors = timeouts = new_rows = trained = 0.0
     for ro in rollouts:
         seconds += sum(c["seconds"] for c in ro.turns["tool_calls"])
         rewrites += ro.turns["template_rewrites"] > 0
@@ -212,7 +213,8 @@ def turn_counts(rollouts, tool_names: list[str]) -> tuple[torch.Tensor, torch.Te
             per_tool[tool_names.index(c["name"])] += torch.tensor([1.0, 0.0 if c["ok"] else 1.0])
         agent = ro.turns.get("agent") or {}
         errors, timeouts, new_rows = errors + agent.get("error", 0), timeouts + agent.get("timeout", 0), new_rows + agent.get("new_rows", 0)
-    head = torch.tensor([len(rollouts), sum(turns), seconds, rewrites, errors, timeouts, new_rows])
+        trained += 1 + len(ro.earlier or [])
+    head = torch.tensor([len(rollouts), sum(turns), seconds, rewrites, errors, timeouts, new_rows, trained])
     return torch.cat([head, per_tool.flatten()]), torch.tensor(float(max(turns)))
 
 
@@ -220,9 +222,10 @@ def turn_metrics(totals: torch.Tensor, longest: float, tool_names: list[str], ag
     """multi_turn/* and tools/* from turn_counts summed over ranks. Frequencies are per
     trajectory (TRL's tools/call_frequency); a failure is a call that did not return a usable result.
     With `agents` (agent_func): agents/errors and agents/timeouts, episodes ended so, and
-    agents/new_rows, rows an agent started by rewriting its history, not trained; all per trajectory."""
-    n, turns, seconds, rewrites, errors, timeouts, new_rows = totals[:7].tolist()
-    per_tool = totals[7:].view(-1, 2)  # (tools, [calls, failures])
+    agents/new_rows, rows an agent started by rewriting its history, and agents/rows_per_trajectory,
+    the rows trained (all of them, or with agent_train_rows: last one); all per trajectory."""
+    n, turns, seconds, rewrites, errors, timeouts, new_rows, trained = totals[:8].tolist()
+    per_tool = totals[8:].view(-1, 2)  # (tools, [calls, failures])
     calls, failures = per_tool.sum(0).tolist()
     m = {
         "multi_turn/turns/mean": turns / n,
@@ -236,7 +239,7 @@ def turn_metrics(totals: torch.Tensor, longest: float, tool_names: list[str], ag
         m[f"tools/{name}/call_frequency"] = c / n
         m[f"tools/{name}/failure_frequency"] = f / max(c, 1.0)
     if agents:
-        m.update({"agents/errors": errors / n, "agents/timeouts": timeouts / n, "agents/new_rows": new_rows / n})
+        m.update({"agents/errors": errors / n, "agents/timeouts": timeouts / n, "agents/new_rows": new_rows / n, "agents/rows_per_trajectory": trained / n})
     return m
 
 

@@ -242,6 +242,7 @@ def to_rollout(t: Trajectory, prompt: Prompt, prompt_index: int, group_id: int) 
         loss_mask=t.loss_mask,
         turns=t.info,
         token_versions=t.token_versions,
+        earlier=t.earlier,
     )
 
 
