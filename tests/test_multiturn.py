@@ -955,14 +955,18 @@ def test_a_killed_partial_rollouts_run_with_an_environment_resumes_bitwise_by_re
 
 
 # Rounds as an agent written against OpenAI's API (agent_func): three turns, "Once more." between
-# them, its reward the digits the model wrote.
+# them, its reward the digits the model wrote. `rewriting` edits its history before the third
+# request where the first answer is of odd length, which starts a second row of its session:
+# both train (agent_train_rows: all).
 ROUNDS_AGENT = """
 import openai
 
-async def rounds(row, client):
+async def rounds(row, client, edit=False):
     messages, digits = list(row["prompt"]), 0
     try:
-        for _ in range(3):
+        for turn in range(3):
+            if edit and turn == 2 and len(messages[len(row["prompt"])]["content"]) % 2:
+                messages[len(row["prompt"]) + 1] = {"role": "user", "content": "Once more, please."}
             answer = await client.chat.completions.create(model="policy", messages=messages)
             text = answer.choices[0].message.content
             digits += sum(ch.isdigit() for ch in text)
@@ -970,27 +974,33 @@ async def rounds(row, client):
     except openai.BadRequestError:  # max_completion_length reached: the episode ends there
         pass
     return min(digits, 8) / 8
+
+async def rewriting(row, client):
+    return await rounds(row, client, edit=True)
 """
 
 
 def _agent_extra(folder, server, *more):
     (folder / "rounds_agent.py").write_text(ROUNDS_AGENT)
-    return ["--reward_funcs", "environment", "--agent_func", f"{folder / 'rounds_agent.py'}:rounds", "--rollout_mode", "server",
+    return ["--reward_funcs", "environment", "--agent_func", f"{folder / 'rounds_agent.py'}:rewriting", "--rollout_mode", "server",
             "--rollout_server_urls", server.url, "--async_generate", "true", "--learning_rate", "1e-3", *more]  # fmt: skip
 
 
 def test_two_processes_train_an_async_agent_run_exactly_like_one_with_every_turn_at_its_rounds_version(tool_model, files, server, tmp_path):
     # The agent's requests go to the trainer's endpoint, which generates them on the rollout
     # server with the round's version floor: every turn of round r at version max(0, r - 1).
+    # Its sessions are one row or two, so the two processes train different numbers of rows, and
+    # still as one process does.
     folder, data = files
     extra = _agent_extra(folder, server, "--max_steps", "4", "--off_policy_correction", "none", "--max_staleness", "1")
     train(1, _args(tool_model, data, tmp_path / "one", 16, *extra))
     train(2, _args(tool_model, data, tmp_path / "two", 8, *extra))
     (one, one_c), (two, two_c) = _read(tmp_path / "one"), _read(tmp_path / "two")
     for c in one_c + two_c:
-        turns = c["turns"]["versions"]
-        assert turns == [max(0, c["round"] - 1)] * len(turns) and (len(turns) == 3 or c["finish_reason"] == "length"), (c["round"], turns)
-    assert all(m["multi_turn/turns/max"] == 3 and m["agents/errors"] == m["agents/new_rows"] == 0 for m in one + two)
+        turns, rows = c["turns"]["versions"], c["turns"]["agent"]["rows"]
+        assert turns == [max(0, c["round"] - 1)] * len(turns) and (rows, len(turns)) in ((2, 1), (1, 3), (1, 2), (1, 1)), (c["round"], turns, rows)
+    assert all(m["agents/errors"] == 0 and m["agents/rows_per_trajectory"] == 1 + m["agents/new_rows"] for m in one + two)
+    assert 1 < sum(m["agents/rows_per_trajectory"] for m in one) / len(one) < 2
     assert one[0]["kl_behav_proximal"] < 1e-9  # the trainer's log-probs of the agent's tokens are the server's
     assert [m["reward"] for m in one] == [m["reward"] for m in two] and len({m["reward"] for m in one}) > 1
     assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-6)
@@ -1072,6 +1082,7 @@ def test_a_killed_async_agent_run_resumes_bitwise_from_rounds_of_whole_sessions(
     latest = _whole_and_killed(tool_model, data, tmp_path, extra)
     ahead = [r for rnd in json.loads((latest / "rounds_0.json").read_text()) for r in rnd["rollouts"]]
     assert ahead and all(r["turns"]["agent"] is not None and 0 in r["loss_mask"] for r in ahead if r["turns"]["turns"] > 1)
+    assert any(r["earlier"] and 0 in r["earlier"][0]["loss_mask"] for r in ahead)  # a session's first row, saved with its last
     _assert_resumes_bitwise(tool_model, data, tmp_path, extra, steps=6)
 
 
