@@ -215,15 +215,21 @@ def prepare_collective(run: Run, rnd: Round) -> Prepared:
             staleness.update({"partial_rollouts/version_spread": ages[:, 1].mean().item(),
                               "partial_rollouts/crossed_update": (ages[:, 1] > 0).float().mean().item()})  # fmt: skip
     orders = [_order(s.seed, n, rnd.index, it) for it in range(s.num_iterations)]
-    counts = torch.zeros((s.num_iterations, s.steps_per_pass))
+    step_tokens = step_token_normalizers(dist.sum_collective(loss_tokens(s, orders, rows, spans), "step tokens"), s.token_normalizer)
+    local = advantages[dist.rank * n : (dist.rank + 1) * n][torch.tensor([i for i, span in enumerate(spans) for _ in span], dtype=torch.long)]  # (N_rows,)
+    return Prepared(rollouts, rows, spans, table, all_rewards, advantages, local, adv_stats, lengths, truncated,
+                    resampling, old_logps, ref_logps, behav_logps, staleness, orders, step_tokens)  # fmt: skip
+
+
+def loss_tokens(s, orders: list[list[int]], rows: list[Rollout], spans: list[range]) -> torch.Tensor:
+    """(num_iterations, steps_per_pass) this rank's loss tokens of each step: of every row of its
+    rollouts (`spans`: each rollout's rows), as the steps take them in `orders`."""
+    counts = torch.zeros((len(orders), s.steps_per_pass))
     for it, order in enumerate(orders):
         for step in range(s.steps_per_pass):
             idx = [j for mb in _micro_batches(s, order, step) for i in mb for j in spans[i]]  # the step's rows, as trained
             counts[it, step] = sum(rows[j].model_tokens for j in idx if rows[j].in_loss(s.mask_truncated))
-    step_tokens = step_token_normalizers(dist.sum_collective(counts, "step tokens"), s.token_normalizer)
-    local = advantages[dist.rank * n : (dist.rank + 1) * n][torch.tensor([i for i, span in enumerate(spans) for _ in span], dtype=torch.long)]  # (N_rows,)
-    return Prepared(rollouts, rows, spans, table, all_rewards, advantages, local, adv_stats, lengths, truncated,
-                    resampling, old_logps, ref_logps, behav_logps, staleness, orders, step_tokens)  # fmt: skip
+    return counts
 
 
 def step_record_collective(run: Run, rnd: Round, batch: Prepared, loss_sum, grad_norm, stats: dict, round_seconds: float, first: bool) -> dict:
