@@ -128,7 +128,6 @@ def test_a_trl_config_runs_as_it_is_with_what_was_mapped_listed(tmp_path):
     "line, message",
     [
         ("use_vllm: true\nvllm_mode: colocate", "vllm_mode='colocate': vLLM inside the training process is not built in tandem"),
-        ("num_train_epochs: 3\nmax_steps: -1", "tandem counts optimizer steps: give max_steps"),
         ("label_smoothing_factor: 0.1", "label_smoothing_factor=0.1: a transformers TrainingArguments option that tandem does not use; remove it (its default, 0.0"),
         ("learning_rate: null", "learning_rate: null is not allowed"),
         ("num_generations_eval: 0", "num_generations_eval (tandem's eval_num_generations)=0: must be >= 1"),
@@ -228,6 +227,10 @@ def test_a_grpo_config_dumped_by_trl_runs_as_it_is(tmp_path):
     assert (cfg.eval_steps, cfg.fsdp, cfg.loss_type, cfg.learning_rate, cfg.gradient_checkpointing) == (0, "", "dapo", 1e-6, True)
     notes = "\n".join(cfg.notes)
     assert "num_train_epochs: no effect: max_steps 4 is given" in notes and "TrainingArguments options tandem does not use, at their defaults" in notes
-    # without max_steps its -1 (count epochs instead) is refused naming it
-    with pytest.raises(ConfigError, match=re.escape("num_train_epochs=3.0 in ") + ".*tandem counts optimizer steps"):
-        _config(config_file=dump)
+    # without max_steps, its -1: the steps follow from num_train_epochs, as TRL's do (trainer/build.py)
+    cfg = _config(config_file=dump)
+    assert (cfg.max_steps, cfg.num_train_epochs) == (-1, 3.0)
+    assert [cfg.steps_for_epochs(100, 1), cfg.steps_for_epochs(100, 2)] == [300, 150]  # a round is 1 prompt a process, 1 step
+    # rounds of 16 completions, 4 prompts, a step each; a dataset short of a round still trains a step an epoch
+    cfg = _config("--num_train_epochs", "0.5", "--max_steps", "0", "--gradient_accumulation_steps", "2", "--num_generations", "4")
+    assert [cfg.steps_for_epochs(160, 1), cfg.steps_for_epochs(3, 1)] == [20, 1]

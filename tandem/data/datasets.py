@@ -1,6 +1,7 @@
 """Prompt datasets: local files or a `datasets.load_dataset` name, checked row by row."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -11,13 +12,30 @@ class DataError(ValueError):
     what to fix."""
 
 
-def load_prompt_dataset(path_or_name: str, split: str = "train", config_name: str | None = None):
+@dataclass(frozen=True)
+class GivenDataset:
+    """A datasets.Dataset given as an object (the Python API's train_dataset), with the name
+    messages call it by."""
+
+    rows: object
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def load_prompt_dataset(path_or_name, split: str = "train", config_name: str | None = None):
     """Load rows that each hold a `prompt` (a string or a list of chat messages) plus any columns.
 
     A local file by extension (.jsonl, .json, .parquet, .csv), a folder written by
-    `Dataset.save_to_disk`, or else a name for `datasets.load_dataset` (which may need the network).
+    `Dataset.save_to_disk`, a GivenDataset, or else a name for `datasets.load_dataset` (which may
+    need the network).
     """
     import datasets
+
+    if isinstance(path_or_name, GivenDataset):
+        validate_rows(path_or_name.rows, path_or_name.name)
+        return path_or_name.rows
 
     path = Path(path_or_name)
     try:

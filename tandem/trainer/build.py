@@ -131,7 +131,17 @@ class Run:
             self.dist.accelerator.end_training()
 
 
-def build(config: TrainConfig) -> Run:
+@dataclass(frozen=True)
+class Given:
+    """What the Python API (tandem/api.py) hands over as objects instead of the config's specs:
+    reward functions (NamedReward, loaded), and datasets (data.GivenDataset)."""
+
+    reward_fns: list | None = None
+    train_dataset: object = None
+    eval_dataset: object = None
+
+
+def build(config: TrainConfig, given: Given = Given()) -> Run:
     config.validate()
     config.bf16, bf16_warning = resolve_bf16(config.bf16)
     set_seed(config.seed)
@@ -141,7 +151,7 @@ def build(config: TrainConfig) -> Run:
     # Before anything reads or writes output_dir: one trainer at a time there
     lock = checkpoint.RunFolderLock(config.output_dir) if dist.is_main else None
     try:
-        run = _build(config, dist, bf16_warning)
+        run = _build(config, dist, bf16_warning, given)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -150,7 +160,7 @@ def build(config: TrainConfig) -> Run:
     return run
 
 
-def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None) -> Run:
+def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None, given: Given) -> Run:
     sharding.from_accelerate_config(config)
     plan = sharding.plan(config.fsdp, config.fsdp_options())  # None: DDP
     if plan is not None and dist.world == 1:
@@ -159,7 +169,7 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None) -> Run:
     resume_dir, saved = _resume_or_fresh(config, dist, plan is not None, bf16_warning)
 
     # Cheap checks first: reward functions and the dataset fail before the model loads.
-    reward_fns = config.load_rewards()
+    reward_fns = given.reward_fns if given.reward_fns is not None else config.load_rewards()
     tokenizer, max_len = load_tokenizer(config.model_name_or_path, config.trust_remote_code)
     # A sharded colocated engine's every forward is a collective: its decoding, and a round's
     # turns, go on until every process's are done.
@@ -168,13 +178,18 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None) -> Run:
     rollouts, template_kwargs, tool_names = _turns(config, tokenizer, turns_done, max_len)
     prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length,
                             template_kwargs)  # fmt: skip
-    table, skipped = load_prompts(config.dataset_name, tokenizer, prompts, max_len)
+    table, skipped = load_prompts(given.train_dataset or config.dataset_name, tokenizer, prompts, max_len)
     if isinstance(rollouts, MultiTurn) and not all(table.conversational):
         raise ConfigError(f"tools and environment_factory need chat prompts (lists of messages) to render turns with the chat template; "
                           f"{config.dataset_name} has plain-text prompts")  # fmt: skip
-    eval_table = load_prompts(config.eval_dataset, tokenizer, prompts, max_len)[0] if config.eval_dataset else None
+    eval_source = given.eval_dataset or config.eval_dataset
+    eval_table = load_prompts(eval_source, tokenizer, prompts, max_len)[0] if eval_source else None
     if skipped and dist.is_main:
         print(f"tandem: skipped {skipped} prompts longer than max_prompt_length={config.max_prompt_length}")
+    if config.max_steps < 1:  # from num_train_epochs, now that the prompts are counted
+        config.max_steps = config.steps_for_epochs(len(table.prompt_ids), dist.world)
+        if dist.is_main:
+            print(f"tandem: num_train_epochs={config.num_train_epochs:g} over {len(table.prompt_ids)} prompts: max_steps={config.max_steps}")
 
     if config.gradient_checkpointing is None:
         _decide_checkpointing(config, dist, max(len(p) for p in table.prompt_ids))

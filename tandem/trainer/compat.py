@@ -139,16 +139,17 @@ def _scale_rewards(value, given: dict) -> tuple[dict, str | None]:
 
 
 def _num_train_epochs(value, given: dict) -> tuple[dict, str | None]:
-    """Ignored where max_steps is given, as transformers ignores it then; refused otherwise."""
+    """transformers' rule: max_steps >= 1 overrides it; else the steps follow from the epochs
+    (max_steps -1, TRL's default, where it is not given)."""
     if not _given(value):
         return {}, None
     try:
-        max_steps = int(given.get("max_steps", 0))
+        max_steps = int(given["max_steps"]) if "max_steps" in given else None
     except (TypeError, ValueError):
-        max_steps = 0
-    if max_steps >= 1:
+        max_steps = 1  # not a number: max_steps's own check names it
+    if max_steps is not None and max_steps >= 1:
         return {}, f"no effect: max_steps {max_steps} is given, which overrides it (as in transformers)"
-    raise Refused("tandem counts optimizer steps: give max_steps (a step trains per_device_train_batch_size * gradient_accumulation_steps completions per process)")
+    return {"num_train_epochs": value} | ({"max_steps": -1} if max_steps is None else {}), None
 
 
 def _save_strategy(value, given: dict) -> tuple[dict, str | None]:
@@ -270,7 +271,7 @@ OPTIONS: dict[str, Option] = {
     "per_device_train_batch_size": Option(SAME, "completions per micro-batch and process"),
     "gradient_accumulation_steps": Option(SAME, "micro-batches per optimizer step"),
     "max_steps": Option(SAME, "optimizer steps"),
-    "num_train_epochs": Option(MAPPED, "no effect where max_steps is given (transformers' rule); refused otherwise: tandem counts optimizer steps", _num_train_epochs),
+    "num_train_epochs": Option(MAPPED, "`num_train_epochs`: the steps follow from it; no effect where max_steps >= 1 is given (transformers' rule)", _num_train_epochs),
     "lr_scheduler_type": Option(SAME, "transformers' schedule names"),
     "warmup_ratio": Option(SAME, "share of max_steps warming up"),
     "warmup_steps": Option(SAME, "warm-up steps; a value below 1 is a share of max_steps (transformers 5's)"),

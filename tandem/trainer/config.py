@@ -122,7 +122,8 @@ class TrainConfig:
     max_tool_response_tokens: int | None = opt(None, "Cut a tool's result to this many tokens; none: no cut (max_completion_length still bounds the trajectory).", "tools and multi-turn")
 
     # --- batch and schedule ---
-    max_steps: int = opt(100, "Optimizer steps to train.", "batch and schedule")
+    max_steps: int = opt(100, "Optimizer steps to train; -1 (or 0) with num_train_epochs: as many as those epochs take (TRL's).", "batch and schedule")
+    num_train_epochs: float | None = opt(None, "Passes over the dataset's prompts, as TRL counts them: each epoch is as many whole rounds as the prompts fill, times the optimizer steps of a round. max_steps >= 1 overrides it (transformers' rule).", "batch and schedule")
     per_device_train_batch_size: int = opt(8, "Completions per micro-batch on each process (TRL's meaning: completions, not prompts).", "batch and schedule")
     gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step.", "batch and schedule")
     steps_per_generation: int | None = opt(None, "Micro-batches each generation round is split into (default: gradient_accumulation_steps). A round holds per_device_train_batch_size * steps_per_generation completions per process, which must be whole groups.", "batch and schedule")
@@ -258,6 +259,13 @@ class TrainConfig:
     def steps_per_round(self) -> int:
         """Optimizer steps trained on one generation round."""
         return self.num_iterations * self.steps_per_generation // self.gradient_accumulation_steps
+
+    def steps_for_epochs(self, prompts: int, processes: int) -> int:
+        """max_steps of num_train_epochs over `prompts`, as TRL's Trainer counts them: the whole
+        rounds an epoch's prompts fill (a last part round left out), times a round's steps, at
+        least one step an epoch; then epochs times that, rounded up."""
+        per_round = self.completions_per_round() * processes // self.num_generations  # prompts of a round over every process
+        return math.ceil(self.num_train_epochs * max(prompts // per_round * self.steps_per_round(), 1))
 
     def round_timeout(self) -> float | None:
         """The longest an async round may take to be generated and scored by its timeouts: each
@@ -402,7 +410,8 @@ class TrainConfig:
             f"{self.num_generations * max(1, round(self.per_device_train_batch_size / self.num_generations))}",
         )
         need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
-        need(self.max_steps >= 1, "max_steps", "must be >= 1")
+        need(self.max_steps >= 1 or self.num_train_epochs is not None, "max_steps", "must be >= 1, or -1 with num_train_epochs (steps from epochs)")
+        need(self.num_train_epochs is None or self.num_train_epochs > 0, "num_train_epochs", "must be > 0")
         need(self.max_completion_length >= 1, "max_completion_length", "must be >= 1")
         need(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1 or none")
         need(self.prompt_truncation in PROMPT_TRUNCATION, "prompt_truncation", f"must be one of {PROMPT_TRUNCATION}")
@@ -720,20 +729,36 @@ def read_file(path: str | Path) -> tuple[dict, list[str]]:
         raise ConfigError(f"config file {path} is not valid YAML: {str(exc).strip()}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option: value")
+    return known_options(data, f"in {path}")
+
+
+def known_options(data: dict, where: str) -> tuple[dict, list[str]]:
+    """`data` without the transformers TrainingArguments options tandem does not use, at their
+    defaults, and a note on them; an unknown key, or such an option at another value, is an
+    error naming it and `where` it was given."""
     known = [*_fields(), *compat.OPTIONS]
-    unused = []
+    unused, data = [], dict(data)
     for key in [k for k in data if k not in known]:
         try:
             refusal = compat.unused_training_argument(key, data[key])
         except KeyError:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else "; see `tandem train --help` for the options"
-            raise ConfigError(f"unknown key {key!r} in {path}{hint}") from None
+            raise ConfigError(f"unknown key {key!r} {where}{hint}") from None
         if refusal:
-            raise ConfigError(f"{refusal} (in {path})")
+            raise ConfigError(f"{refusal} ({where})")
         unused.append(data.pop(key))
     notes = [f"{len(unused)} transformers TrainingArguments options tandem does not use, at their defaults: no effect"] if unused else []
     return data, notes
+
+
+def config_values(options: dict, where: str) -> tuple[dict, compat.Resolved]:
+    """Options given as keywords (the Python API's GRPOConfig), TRL's and ms-swift's names
+    resolved as a YAML file's are: (TrainConfig's values, the resolution with its notes)."""
+    data, notes = known_options(options, where)
+    resolved = _resolve_names([(data, where)])
+    resolved.notes[:0] = notes
+    return _typed(resolved), resolved
 
 
 def load_yaml(path: str | Path) -> dict:

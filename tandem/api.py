@@ -1,0 +1,230 @@
+"""The Python API in TRL's shape: a TRL script ports by its import line.
+
+    from tandem import GRPOConfig, GRPOTrainer
+
+    trainer = GRPOTrainer(model="Qwen/Qwen2-0.5B-Instruct", reward_funcs=reward_len, args=GRPOConfig(output_dir="out"), train_dataset=ds)
+    trainer.train()
+
+GRPOConfig is tandem's TrainConfig taking TRL's and ms-swift's option names as keywords, resolved
+as a YAML file's are (trainer/compat.py): a name tandem cannot honour is refused when the config
+is made. GRPOTrainer runs what `tandem train` runs (trainer/build.py and loop.py), with the reward
+functions and datasets given as objects: every process of `accelerate launch` or `torchrun`
+runs the script and so holds them. AsyncGRPOConfig and AsyncGRPOTrainer (TRL 1.18's names) are
+the same with async generation on.
+
+What a TRL script may pass that tandem does not take yet is refused at construction, naming the
+argument and what to do instead: a model object (give its name or folder), a reward model
+object, optimizers, quantization_config, callbacks, processing classes, and tools,
+environment_factory or rollout_func as objects (give them to GRPOConfig as 'file.py:name').
+"""
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+
+from tandem.trainer.config import ConfigError, TrainConfig, config_values
+
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "GRPOConfig", "GRPOTrainer"]
+
+
+class GRPOConfig(TrainConfig):
+    """TrainConfig with TRL's names: GRPOConfig(output_dir, learning_rate=..., use_vllm=True, ...)."""
+
+    def __init__(self, output_dir: str | None = None, **options):
+        if output_dir is not None:
+            options["output_dir"] = output_dir
+        options.setdefault("output_dir", "trainer_output")  # transformers' default
+        values, resolved = config_values(options, f"in {type(self).__name__}(...)")
+        super().__init__(**values)
+        self.notes, self.given_as = resolved.notes, resolved.given_as
+
+
+class AsyncGRPOConfig(GRPOConfig):
+    """GRPOConfig with async_generate on: the next round is generated while this one trains."""
+
+    def __init__(self, output_dir: str | None = None, **options):
+        options.setdefault("async_generate", True)
+        super().__init__(output_dir, **options)
+
+
+class GRPOTrainer:
+    """TRL's GRPOTrainer: train() runs the config's training, with these reward functions and
+    datasets. `model` is a hub name or a model folder; `reward_funcs` one or a list of functions
+    (plain or async, TRL's keywords: prompts, completions, completion_ids, the dataset's other
+    columns), tandem's reward specs ('exact_match', 'file.py:fn') or reward model names;
+    `train_dataset` a datasets.Dataset with a 'prompt' column; `peft_config` a peft.LoraConfig."""
+
+    config_class = GRPOConfig
+
+    def __init__(self, model, reward_funcs=None, args: TrainConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None, peft_config=None,
+                 tools=None, rollout_func=None, environment_factory=None):  # fmt: skip
+        _refuse_objects(model, processing_class=processing_class, reward_processing_classes=reward_processing_classes, callbacks=callbacks,
+                        optimizers=optimizers, quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
+                        environment_factory=environment_factory)  # fmt: skip
+        model = str(model)
+        args = args if args is not None else self.config_class(f"{model.rstrip('/').split('/')[-1]}-GRPO")
+        if not isinstance(args, TrainConfig):
+            raise TypeError(f"args must be a GRPOConfig (tandem's), got {type(args).__name__}: change the import to `from tandem import GRPOConfig`")
+        self.args = args
+        args.model_name_or_path = model
+        self._rewards = _rewards(reward_funcs, args)
+        args.reward_funcs = [r.name for r in self._rewards]
+        self._train, args.dataset_name = _dataset(train_dataset, "train_dataset")
+        self._eval, args.eval_dataset = _dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else (None, args.eval_dataset)
+        if peft_config is not None:
+            _apply_peft(args, peft_config)
+        args.validate()
+        self.model = None  # the trained model, after train()
+        self.state = None  # transformers' TrainerState, after train()
+        self._main = True
+
+    def train(self, resume_from_checkpoint: bool | str | None = None):
+        """Train to max_steps (or num_train_epochs); resume_from_checkpoint True takes the newest
+        checkpoint in output_dir, a path that one. Returns transformers' TrainOutput."""
+        from transformers.trainer_utils import TrainOutput
+
+        from tandem.trainer.build import Given, build
+        from tandem.trainer.loop import run_loop
+
+        if resume_from_checkpoint:
+            self.args.resume_from_checkpoint = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+        run = build(self.args, Given(self._rewards, self._train, self._eval))
+        try:
+            last = run_loop(run)
+            self.model, self._main, self.tokenizer = run.learner.lm, run.dist.is_main, run.tokenizer
+        except BaseException:
+            run.close(ok=False)
+            raise
+        run.close()
+        self.state = _trainer_state(self.args, run.state.step, self._main)
+        losses = [r["loss"] for r in self.state.log_history if isinstance(r.get("loss"), (int, float))]
+        metrics = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return TrainOutput(run.state.step, sum(losses) / len(losses) if losses else math.nan, metrics)
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The trained model (with LoRA, its adapters) and tokenizer as a folder from_pretrained
+        loads, from the main process; output_dir defaults to args.output_dir."""
+        if self.model is None:
+            raise RuntimeError("save_model: nothing is trained yet; call train() first")
+        if self._main:
+            out = Path(output_dir or self.args.output_dir)
+            self.model.save_pretrained(out)
+            self.tokenizer.save_pretrained(out)
+
+
+class AsyncGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose default config is AsyncGRPOConfig."""
+
+    config_class = AsyncGRPOConfig
+
+
+def _refuse_objects(model, **given) -> None:
+    """What tandem does not take from a TRL script yet: a config error naming it and the way instead."""
+    instead = {
+        "processing_class": "tandem loads the model's own tokenizer: leave it out (a chat template of your own: save it with the model)",
+        "reward_processing_classes": "reward models load their own tokenizers: leave it out",
+        "callbacks": "read metrics.jsonl (one line a step), or report_to",
+        "optimizers": "tandem trains with AdamW (optim, learning_rate, lr_scheduler_type)",
+        "quantization_config": "quantized training is not built: train in bf16, or LoRA (peft_config)",
+        "tools": "give GRPOConfig(tools=['file.py:fn', ...])",
+        "rollout_func": "give GRPOConfig(rollout_func='file.py:fn')",
+        "environment_factory": "give GRPOConfig(environment_factory='file.py:Class')",
+    }
+    for name, value in given.items():
+        if value is not None and value != (None, None) and value != []:
+            raise ConfigError(f"GRPOTrainer({name}=...) is not taken by tandem: {instead[name]}")
+    if not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"GRPOTrainer(model=...) takes a hub name or a model folder, not a {type(model).__name__} object: save it "
+                          "(model.save_pretrained(folder), with its tokenizer) and give the folder")  # fmt: skip
+
+
+def _rewards(reward_funcs, args: TrainConfig) -> list:
+    """The NamedRewards of TRL's reward_funcs, in order: functions as they are, specs and reward
+    model names loaded as `tandem train` loads them; args.reward_weights apply in that order."""
+    from tandem import rewards
+
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs is not None else []
+    if not funcs:
+        raise ConfigError("GRPOTrainer(reward_funcs=...): give at least one reward function")
+    specs = [f if not isinstance(f, (str, os.PathLike)) else _spec(str(f)) for f in funcs]
+    weights = args.reward_weights or [1.0] * len(specs)
+    if len(weights) != len(specs):
+        raise ConfigError(f"reward_weights has {len(weights)} values for {len(specs)} reward_funcs; give one weight each")
+    model_options = {"device": args.reward_model_device, "dtype": args.reward_model_dtype, "batch_size": args.reward_model_batch_size}
+    by_spec = [(s, w) for s, w in zip(specs, weights) if isinstance(s, str)]
+    try:  # together, so that reward_num_workers makes one pool
+        loaded = iter(rewards.load_rewards([s for s, _ in by_spec], [w for _, w in by_spec], args.reward_timeout, args.reward_on_timeout,
+                                           model_options, args.reward_num_workers) if by_spec else [])  # fmt: skip
+    except (ValueError, OSError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
+    out = []
+    for spec, weight in zip(specs, weights):
+        if isinstance(spec, str):
+            out.append(next(loaded))
+            continue
+        if not callable(spec) or type(spec).__module__.startswith("transformers"):
+            raise ConfigError(f"reward_funcs entry {spec!r}: give a function, a reward spec, or a reward model's name or folder (not a model object)")
+        if args.reward_num_workers:
+            raise ConfigError(f"reward_num_workers={args.reward_num_workers} scores functions given by spec ('file.py:fn') in workers; "
+                              f"{_name(spec)} is given as an object: give it by spec, or reward_num_workers 0")  # fmt: skip
+        out.append(rewards.NamedReward(_name(spec), spec, float(weight), args.reward_timeout, args.reward_on_timeout))
+    names = [r.name for r in out]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward_funcs {names}: two functions of the same name; their metrics would collide")
+    return out
+
+
+def _spec(name: str) -> str:
+    """A TRL string reward: tandem's spec as it is (a built-in, 'file.py:fn', 'model:NAME', a
+    folder), else a reward model's hub name, as TRL reads it."""
+    from tandem.rewards import BUILTIN_REWARDS, model
+
+    return name if name in BUILTIN_REWARDS or ":" in name or model.is_reward_model(name) else f"{model.PREFIX}{name}"
+
+
+def _name(fn) -> str:
+    """The metric name of a reward function, TRL's: its __name__ (a partial's function's, an object's class's)."""
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    return getattr(inner, "__name__", None) or type(inner).__name__
+
+
+def _dataset(ds, argument: str):
+    """(GivenDataset, its name for messages) of a datasets.Dataset."""
+    import datasets
+
+    from tandem.data.datasets import GivenDataset
+
+    if ds is None:
+        raise ConfigError(f"GRPOTrainer({argument}=...): give a datasets.Dataset with a 'prompt' column")
+    if isinstance(ds, (datasets.DatasetDict, dict)):
+        raise ConfigError(f"GRPOTrainer({argument}=...) is a DatasetDict of splits {list(ds)}: give one, e.g. {argument}=ds['train']")
+    if isinstance(ds, datasets.IterableDataset):
+        raise ConfigError(f"GRPOTrainer({argument}=...) is an IterableDataset: tandem encodes every prompt once at start; give a Dataset "
+                          "(for a stream, datasets.Dataset.from_list(list(ds.take(n))))")  # fmt: skip
+    if not isinstance(ds, datasets.Dataset):
+        raise ConfigError(f"GRPOTrainer({argument}=...) must be a datasets.Dataset, got {type(ds).__name__}")
+    name = f"{argument} ({ds.num_rows} rows)"
+    return GivenDataset(ds, name), name
+
+
+def _apply_peft(args: TrainConfig, peft_config) -> None:
+    """A peft.LoraConfig as tandem's LoRA options."""
+    if type(peft_config).__name__ != "LoraConfig":
+        raise ConfigError(f"peft_config: only a peft.LoraConfig is taken, got {type(peft_config).__name__}")
+    targets = peft_config.target_modules
+    args.use_peft, args.lora_r, args.lora_alpha, args.lora_dropout = True, peft_config.r, peft_config.lora_alpha, peft_config.lora_dropout
+    args.lora_target_modules = [targets] if isinstance(targets, str) else sorted(targets) if targets else None
+    args.lora_modules_to_save = list(peft_config.modules_to_save) if peft_config.modules_to_save else None
+
+
+def _trainer_state(args: TrainConfig, step: int, main: bool):
+    """transformers' TrainerState of the run: its log_history holds metrics.jsonl's lines."""
+    from transformers import TrainerState
+
+    lines = (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines() if main else []
+    return TrainerState(global_step=step, max_steps=args.max_steps, log_history=[json.loads(line) for line in lines if line.strip()],
+                        is_world_process_zero=main)  # fmt: skip
+

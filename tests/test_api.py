@@ -1,0 +1,113 @@
+"""The Python API in TRL's shape (tandem/api.py): a TRL script with its import line changed runs
+under `python` and `accelerate launch`, trains as `tandem train` does, and refuses at
+construction what it cannot honour."""
+
+import json
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import ENV, cli_here, free_port
+from tandem import AsyncGRPOConfig, GRPOConfig, GRPOTrainer
+from tandem.trainer.config import ConfigError
+
+# TRL's quickstart with two reward functions of TRL's convention (keywords; a dataset column;
+# an async one; None for no opinion) and epochs instead of steps. Only the import line is tandem's.
+SCRIPT = """
+import json, sys
+from datasets import Dataset
+from tandem import GRPOConfig, GRPOTrainer
+
+def reward_len(completions, **kwargs):
+    return [-abs(6 - len(c)) / 6 for c in completions]
+
+async def reward_answer(completions, answer, **kwargs):
+    return [float(a in c) if c.strip() else None for c, a in zip(completions, answer)]
+
+out, batch, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+dataset = Dataset.from_list([{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(2)])
+args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=4, max_completion_length=8, num_train_epochs=2,
+                  learning_rate=1e-3, logging_steps=1, report_to="none", seed=3, disable_tqdm=True)
+trainer = GRPOTrainer(model=model, reward_funcs=[reward_len, reward_answer], args=args, train_dataset=dataset)
+result = trainer.train()
+trainer.save_model()
+if trainer.state.is_world_process_zero:
+    print("RESULT", json.dumps({"global_step": result.global_step, "training_loss": result.training_loss, "logged": len(trainer.state.log_history)}))
+"""
+
+
+def _script(path, out, batch, model, procs=1) -> dict:
+    launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
+                                                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                                                  "--main_process_port", str(free_port())]  # fmt: skip
+    proc = subprocess.run([*launch, str(path), str(out), str(batch), str(model)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def _losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_trl_script_trains_as_tandem_train_does_and_two_processes_as_one(tiny_model, tmp_path):
+    script = tmp_path / "grpo.py"
+    script.write_text(SCRIPT)
+    one = _script(script, tmp_path / "one", 8, tiny_model)
+    # 8 prompts, rounds of 2 (8 completions of 4 each), a step a round: 4 steps an epoch, 2 epochs
+    assert one["global_step"] == 8 and one["logged"] == 8 and one["training_loss"] == pytest.approx(sum(_losses(tmp_path / "one")) / 8)
+    metrics = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert {"rewards/reward_len/mean", "rewards/reward_answer/mean"} <= set(metrics[0])
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "one")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert any(not torch.equal(a, b) for a, b in zip(saved.state_dict().values(), start.state_dict().values()))
+    # the same run from the command line, its rewards by spec and its data a file: the same losses
+    (tmp_path / "rewards.py").write_text(SCRIPT.split("out, batch")[0])
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(4) for b in range(2)))
+    proc = cli_here("train", "--model_name_or_path", tiny_model, "--dataset_name", data, "--output_dir", tmp_path / "cli",
+                    "--reward_funcs", f"{tmp_path / 'rewards.py'}:reward_len", f"{tmp_path / 'rewards.py'}:reward_answer",
+                    "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8", "--num_train_epochs", "2",
+                    "--learning_rate", "1e-3", "--logging_steps", "1", "--seed", "3", "--disable_tqdm", "true")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "num_train_epochs=2 over 8 prompts: max_steps=8" in proc.stdout
+    assert _losses(tmp_path / "cli") == _losses(tmp_path / "one")
+    # under accelerate launch, 2 processes of 4 completions train as one of 8
+    two = _script(script, tmp_path / "two", 4, tiny_model, procs=2)
+    assert two["global_step"] == 8 and _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-6)
+
+
+def _rows(n=4):
+    return datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}] * n)
+
+
+def _reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.quick
+def test_trl_names_resolve_and_what_tandem_cannot_honour_is_refused_at_construction(tiny_model, tmp_path):
+    args = GRPOConfig(str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_base_url="http://127.0.0.1:9", num_train_epochs=3)
+    assert (args.rollout_mode, args.rollout_server_urls, args.max_steps, args.num_train_epochs) == ("server", ["http://127.0.0.1:9"], -1, 3.0)
+    assert AsyncGRPOConfig(str(tmp_path)).async_generate and GRPOConfig().output_dir == "trainer_output"
+    with pytest.raises(ConfigError, match="unknown key 'learnig_rate' in GRPOConfig.*did you mean 'learning_rate'"):
+        GRPOConfig(learnig_rate=1e-4)
+    trainer = GRPOTrainer(str(tiny_model), reward_funcs=[_reward, "exact_match"], args=GRPOConfig(str(tmp_path)), train_dataset=_rows())
+    assert trainer.args.reward_funcs == ["_reward", "exact_match"] and trainer.args.dataset_name == "train_dataset (4 rows)"
+    refused = [
+        (dict(model=torch.nn.Linear(1, 1)), "takes a hub name or a model folder, not a Linear object"),
+        (dict(train_dataset=datasets.DatasetDict(train=_rows())), r"is a DatasetDict of splits \['train'\]: give one"),
+        (dict(optimizers=(object(), None)), "tandem trains with AdamW"),
+        (dict(quantization_config=object()), "quantized training is not built"),
+        (dict(reward_funcs=[]), "give at least one reward function"),
+        (dict(reward_funcs=[_reward, _reward]), "two functions of the same name"),
+        (dict(args=GRPOConfig(str(tmp_path), reward_num_workers=2)), "_reward is given as an object: give it by spec"),
+    ]
+    for change, message in refused:
+        given = dict(model=str(tiny_model), reward_funcs=_reward, args=GRPOConfig(str(tmp_path)), train_dataset=_rows()) | change
+        with pytest.raises(ConfigError, match=message):
+            GRPOTrainer(**given)
