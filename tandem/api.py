@@ -30,12 +30,16 @@ __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "GRPOConfig", "GRPOTrainer"]
 
 
 class GRPOConfig(TrainConfig):
-    """TrainConfig with TRL's names: GRPOConfig(output_dir, learning_rate=..., use_vllm=True, ...)."""
+    """TrainConfig with TRL's names: GRPOConfig(output_dir, learning_rate=..., use_vllm=True, ...).
+    Where it differs from tandem's, the default is TRL's: output_dir 'trainer_output', and 3
+    epochs where neither max_steps nor num_train_epochs is given."""
 
     def __init__(self, output_dir: str | None = None, **options):
         if output_dir is not None:
             options["output_dir"] = output_dir
-        options.setdefault("output_dir", "trainer_output")  # transformers' default
+        options.setdefault("output_dir", "trainer_output")
+        if "max_steps" not in options and "num_train_epochs" not in options:
+            options["num_train_epochs"] = 3.0
         values, resolved = config_values(options, f"in {type(self).__name__}(...)")
         super().__init__(**values)
         self.notes, self.given_as = resolved.notes, resolved.given_as

@@ -150,7 +150,7 @@ def test_an_agent_that_rewrites_its_history_starts_a_new_row_and_nothing_is_spli
     # the first row, the session's turn 0 as the engine answered it, trains too (agent_train_rows: all)
     (first,) = traj.earlier
     assert first["prompt_ids"] == traj.prompt_ids[: len(first["prompt_ids"])] and sum(first["loss_mask"]) == len(first["completion_ids"]) >= 1
-    row = Trajectory(first["completion_ids"], first["behav_logprobs"], first["loss_mask"], first["finish_reason"], first["version"],
+    row = Trajectory(first["completion_ids"], first["behav_logprobs"], first["loss_mask"], traj.finish_reason, first["version"],
                      first["prompt_ids"], {"turns": 1, "agent": {"requests": 1}})  # fmt: skip
     _assert_engine_tokens(local, row, 7)
     (last,), _ = _run(local, _rewrites, seeds=(7,), rows="last")

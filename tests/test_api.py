@@ -93,7 +93,8 @@ def _reward(completions, **kwargs):
 def test_trl_names_resolve_and_what_tandem_cannot_honour_is_refused_at_construction(tiny_model, tmp_path):
     args = GRPOConfig(str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_base_url="http://127.0.0.1:9", num_train_epochs=3)
     assert (args.rollout_mode, args.rollout_server_urls, args.max_steps, args.num_train_epochs) == ("server", ["http://127.0.0.1:9"], -1, 3.0)
-    assert AsyncGRPOConfig(str(tmp_path)).async_generate and GRPOConfig().output_dir == "trainer_output"
+    assert AsyncGRPOConfig(str(tmp_path)).async_generate
+    assert (GRPOConfig().output_dir, GRPOConfig().max_steps, GRPOConfig().num_train_epochs) == ("trainer_output", -1, 3.0)  # TRL's defaults
     with pytest.raises(ConfigError, match="unknown key 'learnig_rate' in GRPOConfig.*did you mean 'learning_rate'"):
         GRPOConfig(learnig_rate=1e-4)
     trainer = GRPOTrainer(str(tiny_model), reward_funcs=[_reward, "exact_match"], args=GRPOConfig(str(tmp_path)), train_dataset=_rows())

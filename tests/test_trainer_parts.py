@@ -45,13 +45,14 @@ def test_collate_keeps_each_prompt_once_and_masks_truncated_completions():
 
 def test_an_agents_earlier_rows_train_with_their_rollout_and_count_in_the_steps_loss_tokens():
     # Two rollouts, one a session of two rows (Rollout.earlier): the steps count every row's
-    # model tokens (dapo's normaliser), each micro-batch takes a rollout with all its rows.
-    earlier = {"prompt_ids": [1, 2], "completion_ids": [5, 6, 7], "behav_logprobs": [-1.0, 0.0, -1.0], "loss_mask": [1, 0, 1],
-               "finish_reason": "stop", "version": 0}  # fmt: skip
+    # model tokens (dapo's normaliser), each micro-batch takes a rollout with all its rows, and a
+    # row ends as its trajectory did (a truncated one is masked whole).
+    earlier = {"prompt_ids": [1, 2], "completion_ids": [5, 6, 7], "behav_logprobs": [-1.0, 0.0, -1.0], "loss_mask": [1, 0, 1], "version": 0}
     two = Rollout(0, 0, [1, 2, 5, 6, 7, 8], [9, 4], [-0.5, -0.5], "stop", 1, earlier=[earlier])
     one = Rollout(1, 1, [3], [4, 4, 4, 4], [-0.1] * 4, "length", 1)
     rows = two.rows() + one.rows()
     assert [(r.prompt_ids, r.completion_ids, r.version, r.earlier) for r in rows[:2]] == [([1, 2], [5, 6, 7], 0, None), ([1, 2, 5, 6, 7, 8], [9, 4], 1, None)]
+    assert [r.finish_reason for r in Rollout(0, 0, [1], [2], [0.0], "length", 1, earlier=[earlier]).rows()] == ["length", "length"]
     s = SimpleNamespace(steps_per_pass=2, grad_accum=1, micro_batch=1, mask_truncated=True)
     counts = loop.loss_tokens(s, [[1, 0], [0, 1]], rows, [range(0, 2), range(2, 3)])
     assert counts.tolist() == [[0.0, 4.0], [4.0, 0.0]]  # the truncated rollout is masked; the session's rows: 2 + 2 tokens

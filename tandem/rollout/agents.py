@@ -166,16 +166,15 @@ class AgentFunction(CoroutineRollouts):
         if not turns:  # nothing to train: the prompt and one eos token, out of the loss
             info = {"turns": 0, "messages": [], "tool_calls": [], "versions": [min_version], "template_rewrites": 0, "environment_reward": None, "agent": agent}
             return Trajectory([self.tokenizer.eos_token_id], [0.0], [0], "error", min_version, None, info)
-        dropped = failed and self.options.failure == "drop"
-        finish = lambda r: "error" if dropped else r.finish  # noqa: E731
-        earlier = [{"prompt_ids": r.prompt_ids, "completion_ids": r.ids, "behav_logprobs": r.logprobs, "loss_mask": r.mask,
-                    "finish_reason": finish(r), "version": min(r.versions)} for r in trained[:-1]]  # fmt: skip
+        earlier = [{"prompt_ids": r.prompt_ids, "completion_ids": r.ids, "behav_logprobs": r.logprobs, "loss_mask": r.mask, "version": min(r.versions)}
+                   for r in trained[:-1]]  # fmt: skip
         row = turns[-1]
+        finish = "error" if failed and self.options.failure == "drop" else row.finish
         info = {"turns": len(row.versions), "messages": row.messages[row.prompt_length :] if row.chat else [], "tool_calls": [], "versions": row.versions,
                 "template_rewrites": row.rewrites, "environment_reward": reward, "agent": agent,
                 "zero_reward": failed and self.options.failure == "zero"}  # fmt: skip
         version = min(v for r in trained for v in r.versions)
-        return Trajectory(row.ids, row.logprobs, row.mask, finish(row), version, row.prompt_ids, info, earlier=earlier or None)
+        return Trajectory(row.ids, row.logprobs, row.mask, finish, version, row.prompt_ids, info, earlier=earlier or None)
 
     def close(self) -> None:
         if self.gateway is not None:

@@ -76,12 +76,13 @@ class Rollout:
     # token is of `version` (of a multi-turn one, of its turn: turns["versions"]).
     token_versions: list[list[int]] | None = None
     # An agent's trajectory of several rows (one per history it rewrote, rollout/agents.py): the
-    # rows before this one, each a dict of prompt_ids, completion_ids, behav_logprobs, loss_mask,
-    # finish_reason and version. They train with this rollout's reward and advantage (rows()).
+    # rows before this one, each a dict of prompt_ids, completion_ids, behav_logprobs, loss_mask
+    # and version. They train with this rollout's reward and advantage (rows()).
     earlier: list[dict] | None = None
 
     def rows(self) -> list["Rollout"]:
-        """What trains: the earlier rows, then this one; one sequence of the loss's reduction."""
+        """What trains: the earlier rows, then this one; one sequence of the loss's reduction, and
+        one sample: every row ends as the trajectory did (truncated, failed or finished)."""
         last = replace(self, earlier=None)
         return [replace(last, turns=None, token_versions=None, **row) for row in self.earlier or []] + [last]
 

@@ -143,12 +143,12 @@ class Learner:
 
     # ------------------------------------------------------------------ the update
 
-    def micro_step_collective(self, rows, idx, sequences, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
-        """Forward and backward of one micro-batch, the rows `idx` of `rows` (N_rows,), each of the
+    def micro_step_collective(self, train_rows, idx, sequences, advantages, old_logps, ref_logps, behav_logps, norm: Normalisation, sync: bool):
+        """Forward and backward of one micro-batch, the rows `idx` of `train_rows` (N_rows,), each of the
         sequence `sequences` (n,) of the reduction; `advantages` and the log-probs are per row.
         Gradients are synced on the last micro-batch only (then the backward is a collective)."""
         cfg, obj = self.loss, self.loss.objective
-        mb = collate([rows[i] for i in idx], self.pad_id, self.dist.device, cfg.mask_truncated_completions, self._buckets(int(sequences.max()) + 1),
+        mb = collate([train_rows[i] for i in idx], self.pad_id, self.dist.device, cfg.mask_truncated_completions, self._buckets(int(sequences.max()) + 1),
                      lockstep=self.lockstep)  # fmt: skip
         C, mask = mb.completion_ids.shape[1], mb.completion_mask
         self.grad_sync(sync)
