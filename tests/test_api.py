@@ -15,15 +15,19 @@ from conftest import ENV, cli_here, free_port
 from tandem import AsyncGRPOConfig, GRPOConfig, GRPOTrainer
 from tandem.trainer.config import ConfigError
 
-# TRL's quickstart with two reward functions of TRL's convention (keywords; a dataset column;
-# an async one; None for no opinion) and epochs instead of steps. Only the import line is tandem's.
+# TRL's quickstart with two reward functions of TRL's convention (keywords; trainer_state; a
+# dataset column; an async one; None for no opinion) and epochs instead of steps. Only the import
+# line is tandem's.
 SCRIPT = """
 import json, sys
 from datasets import Dataset
 from tandem import GRPOConfig, GRPOTrainer
 
-def reward_len(completions, **kwargs):
-    return [-abs(6 - len(c)) / 6 for c in completions]
+def reward_len(completions, trainer_state, **kwargs):
+    # shaped by training progress: the length aimed at grows from 4 to 8 characters over the run
+    assert trainer_state.max_steps == 8 and 0 <= trainer_state.global_step < 8, trainer_state
+    aim = 4 + 4 * trainer_state.global_step / trainer_state.max_steps
+    return [-abs(aim - len(c)) / 8 for c in completions]
 
 async def reward_answer(completions, answer, **kwargs):
     return [float(a in c) if c.strip() else None for c, a in zip(completions, answer)]

@@ -462,7 +462,8 @@ def _producer(config: TrainConfig, dist: Dist, table, tokenizer, reward_fns, eng
     G = config.num_generations
     sampler = GroupSampler(len(table.prompt_ids), config.completions_per_round() // G, config.seed, dist.rank, dist.world, config.shuffle_dataset)
     args = (table, sampler, engine, tokenizer, reward_fns, config.sampling_params(), G, config.seed)
-    resample = {"max_resample_times": config.max_resample_times if config.dynamic_sample else None, "rollouts": rollouts}
+    resample = {"max_resample_times": config.max_resample_times if config.dynamic_sample else None, "rollouts": rollouts,
+                "steps": (config.steps_per_round(), config.max_steps)}  # fmt: skip
     last_round = math.ceil(config.max_steps / config.steps_per_round()) - 1
     ahead = {"max_staleness": config.max_staleness, "round_timeout": config.round_timeout(), "last_round": last_round}
     if config.max_tokens_per_round is not None:

@@ -236,7 +236,7 @@ class PartialProducer(AsyncProducer):
         rollouts = [to_rollout(self.rollouts.finish(t), p, f.indices[k // G], self.group_id(f.index, f.slots[k // G]))
                     for k, (t, p) in enumerate(zip(f.seqs, prompts))]  # fmt: skip
         t = time.perf_counter()
-        table, completions = self.score(rollouts)
+        table, completions = self.score(rollouts, f.index)
         times = [f.generate_seconds, time.perf_counter() - t]  # generate, reward
         dropped = resampled = 0
         if self.max_resample_times is not None:  # new groups replace agreeing ones, generated whole at this version

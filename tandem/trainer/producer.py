@@ -97,6 +97,7 @@ class SyncProducer:
         max_staleness: int = 0,
         max_resample_times: int | None = None,
         rollouts: Rollouts | None = None,
+        steps: tuple[int, int] = (1, 0),
     ):
         self.table = table
         self.sampler = sampler
@@ -109,6 +110,7 @@ class SyncProducer:
         self.max_staleness = max_staleness
         self.max_resample_times = max_resample_times  # None: no dynamic sampling
         self.rollouts = rollouts or SingleTurn()  # one completion per prompt, or turns with tools
+        self.steps = steps  # (optimizer steps a round, max_steps): the trainer_state reward functions get
         self.round_index = 0  # the next round the trainer will get
         self._ready: dict[int, Round] = {}
 
@@ -174,7 +176,7 @@ class SyncProducer:
         trajectories = self.rollouts.generate(self.engine, prompts, self.params, seeds, self.generate_version(r))
         t1 = time.perf_counter()
         rollouts = [to_rollout(t, prompts[k], indices[k // G], self.group_id(r, slots[k // G])) for k, t in enumerate(trajectories)]
-        table, completions = self.score(rollouts)
+        table, completions = self.score(rollouts, r)
         times[0] += t1 - t0
         times[1] += time.perf_counter() - t1
         return rollouts, table, completions
@@ -222,8 +224,15 @@ class SyncProducer:
         out_rollouts = [ro for g in kept for ro in g[0]]
         return out_rollouts, torch.cat([g[1] for g in kept]), [c for g in kept for c in g[2]], len(dropped) - len(refill), resampled
 
-    def score(self, rollouts: list[Rollout]) -> tuple[torch.Tensor, list]:
-        return score_rollouts(self.table, self.tokenizer, self.reward_fns, self.params.max_tokens, rollouts)
+    def score(self, rollouts: list[Rollout], r: int) -> tuple[torch.Tensor, list]:
+        """Round r's rewards. Reward functions get TRL's trainer_state as of the round's first
+        step: the steps trained before it, whenever it is scored (async: ahead), so that a reward
+        shaped by training progress is the same in every mode and run."""
+        from transformers import TrainerState
+
+        per_round, max_steps = self.steps
+        state = TrainerState(global_step=r * per_round, max_steps=max_steps)
+        return score_rollouts(self.table, self.tokenizer, self.reward_fns, self.params.max_tokens, rollouts, trainer_state=state)
 
 
 def table_prompts(table: PromptTable, rows: list[int]) -> list[Prompt]:
@@ -246,9 +255,11 @@ def to_rollout(t: Trajectory, prompt: Prompt, prompt_index: int, group_id: int) 
     )
 
 
-def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.NamedReward], max_tokens: int, rollouts: list[Rollout]) -> tuple[torch.Tensor, list]:
+def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.NamedReward], max_tokens: int, rollouts: list[Rollout],
+                   **more) -> tuple[torch.Tensor, list]:  # fmt: skip
     """Every rollout's rewards (N, F) and its completion as the reward functions saw it: a
-    message list for a conversational prompt, else text; the prompt's other columns as keywords."""
+    message list for a conversational prompt, else text; the prompt's other columns and `more`
+    (trainer_state) as keywords."""
     texts = tokenizer.batch_decode([ro.completion_ids for ro in rollouts], skip_special_tokens=True)
     completions = [_completion(table, ro, t) for ro, t in zip(rollouts, texts)]
     rows = [ro.prompt_index for ro in rollouts]
@@ -262,6 +273,7 @@ def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.N
         completion_ids=[ro.completion_ids for ro in rollouts],
         max_completion_length=max_tokens,
         **columns,
+        **more,
     )
     scores[[bool(ro.turns and ro.turns.get("zero_reward")) for ro in rollouts]] = 0.0  # a failed agent's, with agent_failure zero
     scores[[ro.failed for ro in rollouts]] = float("nan")  # an unfinished text earns nothing: see Rollout.failed
