@@ -12,10 +12,16 @@ functions and datasets given as objects: every process of `accelerate launch` or
 runs the script and so holds them. AsyncGRPOConfig and AsyncGRPOTrainer (TRL 1.18's names) are
 the same with async generation on.
 
+Callbacks are transformers' TrainerCallbacks, told on every process: on_train_begin, then each
+step's on_step_end and on_log (logs: the step's metrics.jsonl line), on_evaluate (the main
+process's eval/* results), on_train_end. control.should_training_stop ends the run at the end of
+that round, with its checkpoint. `args` is the GRPOConfig; `model` and the other keywords HF's
+Trainer passes are not given.
+
 What a TRL script may pass that tandem does not take yet is refused at construction, naming the
 argument and what to do instead: a model object (give its name or folder), a reward model
-object, optimizers, quantization_config, callbacks, processing classes, and tools,
-environment_factory or rollout_func as objects (give them to GRPOConfig as 'file.py:name').
+object, optimizers, quantization_config, processing classes, and tools, environment_factory or
+rollout_func as objects (give them to GRPOConfig as 'file.py:name').
 """
 
 import functools
@@ -65,9 +71,8 @@ class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, args: TrainConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None, peft_config=None,
                  tools=None, rollout_func=None, environment_factory=None):  # fmt: skip
-        _refuse_objects(model, processing_class=processing_class, reward_processing_classes=reward_processing_classes, callbacks=callbacks,
-                        optimizers=optimizers, quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
-                        environment_factory=environment_factory)  # fmt: skip
+        _refuse_objects(model, processing_class=processing_class, reward_processing_classes=reward_processing_classes, optimizers=optimizers,
+                        quantization_config=quantization_config, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)  # fmt: skip
         model = str(model)
         args = args if args is not None else self.config_class(f"{model.rstrip('/').split('/')[-1]}-GRPO")
         if not isinstance(args, TrainConfig):
@@ -82,8 +87,17 @@ class GRPOTrainer:
             _apply_peft(args, peft_config)
         args.validate()
         self.model = None  # the trained model, after train()
-        self.state = None  # transformers' TrainerState, after train()
+        self.callbacks = _Callbacks(args, list(callbacks or []))
         self._main = True
+
+    @property
+    def state(self):
+        """transformers' TrainerState: global_step, max_steps, log_history (metrics.jsonl's lines)."""
+        return self.callbacks.state
+
+    def add_callback(self, callback) -> None:
+        """A TrainerCallback (an instance, or a class to make one of), told after those given."""
+        self.callbacks.add(callback)
 
     def train(self, resume_from_checkpoint: bool | str | None = None):
         """Train to max_steps (or num_train_epochs); resume_from_checkpoint True takes the newest
@@ -95,18 +109,20 @@ class GRPOTrainer:
 
         if resume_from_checkpoint:
             self.args.resume_from_checkpoint = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
-        run = build(self.args, Given(self._rewards, self._train, self._eval))
+        run = build(self.args, Given(self._rewards, self._train, self._eval, (self.callbacks,)))
         try:
+            self.callbacks.begin(run.state.step, run.dist.is_main)
             last = run_loop(run)
             self.model, self._main, self.tokenizer = run.learner.lm, run.dist.is_main, run.tokenizer
         except BaseException:
             run.close(ok=False)
             raise
         run.close()
-        self.state = _trainer_state(self.args, run.state.step, self._main)
+        self.callbacks.end(Path(self.args.output_dir) / "metrics.jsonl")
         losses = [r["loss"] for r in self.state.log_history if isinstance(r.get("loss"), (int, float))]
-        metrics = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        return TrainOutput(run.state.step, sum(losses) / len(losses) if losses else math.nan, metrics)
+        loss = sum(losses) / len(losses) if losses else math.nan
+        metrics = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}  # the last step's
+        return TrainOutput(run.state.step, loss, {"train_loss": loss, **metrics})
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The trained model (with LoRA, its adapters) and tokenizer as a folder from_pretrained
@@ -130,7 +146,6 @@ def _refuse_objects(model, **given) -> None:
     instead = {
         "processing_class": "tandem loads the model's own tokenizer: leave it out (a chat template of your own: save it with the model)",
         "reward_processing_classes": "reward models load their own tokenizers: leave it out",
-        "callbacks": "read metrics.jsonl (one line a step), or report_to",
         "optimizers": "tandem trains with AdamW (optim, learning_rate, lr_scheduler_type)",
         "quantization_config": "quantized training is not built: train in bf16, or LoRA (peft_config)",
         "tools": "give GRPOConfig(tools=['file.py:fn', ...])",
@@ -224,11 +239,44 @@ def _apply_peft(args: TrainConfig, peft_config) -> None:
     args.lora_modules_to_save = list(peft_config.modules_to_save) if peft_config.modules_to_save else None
 
 
-def _trainer_state(args: TrainConfig, step: int, main: bool):
-    """transformers' TrainerState of the run: its log_history holds metrics.jsonl's lines."""
-    from transformers import TrainerState
+class _Callbacks:
+    """transformers' TrainerCallbacks as a metrics.Listener of the run, with the TrainerState
+    they read (transformers' CallbackHandler would want HF's TrainingArguments and its flow)."""
 
-    lines = (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines() if main else []
-    return TrainerState(global_step=step, max_steps=args.max_steps, log_history=[json.loads(line) for line in lines if line.strip()],
-                        is_world_process_zero=main)  # fmt: skip
+    def __init__(self, args: TrainConfig, callbacks: list):
+        from transformers import TrainerControl, TrainerState
+
+        self.args, self.callbacks, self.state, self.control = args, [], TrainerState(), TrainerControl()
+        for callback in callbacks:
+            self.add(callback)
+
+    def add(self, callback) -> None:
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    def _tell(self, event: str, **kwargs) -> None:
+        for callback in self.callbacks:
+            control = getattr(callback, event)(self.args, self.state, self.control, **kwargs)
+            self.control = control if control is not None else self.control
+
+    def begin(self, step: int, main: bool) -> None:
+        self.state.global_step, self.state.max_steps, self.state.is_world_process_zero = step, self.args.max_steps, main
+        self.state.is_local_process_zero = main or int(os.environ.get("LOCAL_RANK", "0")) == 0
+        self._tell("on_train_begin")
+
+    def step(self, record: dict) -> bool:
+        self.state.global_step = record["step"]
+        self.state.log_history.append(record)
+        self._tell("on_step_end")
+        self._tell("on_log", logs=record)
+        return self.control.should_training_stop
+
+    def evaluation(self, step: int, results: dict) -> None:
+        self._tell("on_evaluate", metrics=results)
+
+    def end(self, metrics_file: Path) -> None:
+        """The run is over: log_history becomes every line of metrics.jsonl (a resumed run's
+        earlier steps too) where this process can read it, and on_train_end is told."""
+        if metrics_file.is_file():
+            self.state.log_history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+        self._tell("on_train_end")
 

@@ -85,6 +85,55 @@ def test_a_trl_script_trains_as_tandem_train_does_and_two_processes_as_one(tiny_
     assert two["global_step"] == 8 and _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-6)
 
 
+# A TRL callback that stops the run at step 3 (should_training_stop), then the run resumed
+# through train(resume_from_checkpoint=True) to max_steps 5.
+CALLBACK_SCRIPT = """
+import json, sys
+from datasets import Dataset
+from transformers import TrainerCallback
+from tandem import GRPOConfig, GRPOTrainer
+
+class StopAtThree(TrainerCallback):
+    def __init__(self):
+        self.events = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.events.append(["begin", state.global_step, state.max_steps])
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(["log", logs["step"], state.global_step])
+        if state.global_step == 3:
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.events.append(["end", state.global_step])
+
+out, model = sys.argv[1], sys.argv[2]
+dataset = Dataset.from_list([{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)])
+options = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=4, save_steps=2, disable_tqdm=True)
+first = GRPOTrainer(model, reward_funcs="exact_match", args=GRPOConfig(out, max_steps=8, **options), train_dataset=dataset, callbacks=[StopAtThree])
+stopped = first.train()
+again = GRPOTrainer(model, reward_funcs="exact_match", args=GRPOConfig(out, max_steps=5, **options), train_dataset=dataset)
+again.add_callback(StopAtThree)
+resumed = again.train(resume_from_checkpoint=True)
+print("RESULT", json.dumps({"stopped": stopped.global_step, "first": first.callbacks.callbacks[0].events, "resumed": resumed.global_step,
+                            "again": again.callbacks.callbacks[0].events, "history": [r["step"] for r in again.state.log_history]}))
+"""
+
+
+def test_a_callback_stops_the_run_with_a_checkpoint_and_train_resumes_it(tiny_model, tmp_path):
+    script = tmp_path / "callback.py"
+    script.write_text(CALLBACK_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(tiny_model)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    got = json.loads(line.removeprefix("RESULT "))
+    assert got["stopped"] == 3 and got["first"] == [["begin", 0, 8], ["log", 1, 1], ["log", 2, 2], ["log", 3, 3], ["end", 3]]
+    assert (tmp_path / "run" / "checkpoint-3").is_dir()  # the stop saved what it trained (save_steps 2 had saved step 2)
+    assert got["resumed"] == 5 and got["again"] == [["begin", 3, 5], ["log", 4, 4], ["log", 5, 5], ["end", 5]]
+    assert got["history"] == [1, 2, 3, 4, 5]
+
+
 def _rows(n=4):
     return datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}] * n)
 

@@ -139,6 +139,7 @@ class Given:
     reward_fns: list | None = None
     train_dataset: object = None
     eval_dataset: object = None
+    listeners: tuple = ()  # metrics.Listener: callbacks
 
 
 def build(config: TrainConfig, given: Given = Given()) -> Run:
@@ -225,7 +226,8 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None, given: Giv
         producer.set_live_version(state.version)
         last_step = config.max_steps
         sync = WeightSync(engine, producer, dist, push, config.max_staleness if config.async_generate else None, last_step)
-        log = metrics.RunLog(out, dist.accelerator, dist.is_main, eval_table is not None, config.num_completions_to_log, last_step, not config.disable_tqdm)
+        log = metrics.RunLog(out, dist.accelerator, dist.is_main, eval_table is not None, config.num_completions_to_log, last_step, not config.disable_tqdm,
+                             given.listeners)  # fmt: skip
         evaluator = None
         if eval_table is not None:
             evaluator = Evaluator(engine, tokenizer, eval_table, reward_fns, config.sampling_params(), config.eval_num_generations, config.eval_greedy,

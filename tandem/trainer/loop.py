@@ -86,8 +86,11 @@ def run_loop(run: Run) -> dict:
     sigterm = Flag(signal.SIGTERM, s.sigterm_timeout, s.output_dir)
     try:
         while state.step < s.max_steps:
-            if bool(run.dist.sum_collective(torch.tensor([float(sigterm.is_set())]), "SIGTERM flags").item()):
+            sigterm_set, stop_asked = run.dist.sum_collective(torch.tensor([float(sigterm.is_set()), float(run.log.stop_asked)]), "SIGTERM and stop flags").tolist()
+            if sigterm_set:
                 raise Preempted(preempted(run, saved_at))
+            if stop_asked:  # a listener (a callback's should_training_stop) on any rank: the run ends here, saved
+                break
             before = state.step
             last = train_round(run, idle, agents) or last
             if run.evaluator is not None and (state.step >= s.max_steps or _crossed(before, state.step, s.eval_steps)):

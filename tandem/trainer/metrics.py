@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -323,12 +324,26 @@ def _markdown_cell(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+class Listener(Protocol):
+    """What follows a run's records as they are logged, on every rank (the Python API's callbacks)."""
+
+    def step(self, record: dict) -> bool:
+        """A step's metrics.jsonl line; True asks the run to stop at the end of the round."""
+        ...
+
+    def evaluation(self, step: int, results: dict) -> None:
+        """The eval/* results of `step`, on the main process (they are computed there)."""
+        ...
+
+
 class RunLog:
     """Where a run's numbers go, from rank 0: metrics.jsonl (a line per step), completions.jsonl,
     eval.jsonl, the experiment trackers at the same steps, and the progress bar with the live
-    reward. The other ranks hold an inert one."""
+    reward. The other ranks hold an inert one, but for `listeners`, which every rank tells."""
 
-    def __init__(self, out: Path, accelerator, is_main: bool, with_eval: bool, completions_per_step: int, max_steps: int, show_bar: bool):
+    def __init__(self, out: Path, accelerator, is_main: bool, with_eval: bool, completions_per_step: int, max_steps: int, show_bar: bool,
+                 listeners: tuple = ()):  # fmt: skip
+        self.listeners, self.stop_asked = listeners, False  # a listener asked the run to stop
         self.accelerator, self.is_main, self.completions_per_step = accelerator, is_main, completions_per_step
         self.max_steps, self.show_bar, self.bar = max_steps, show_bar and is_main, None
         self.metrics = JsonlWriter(out / "metrics.jsonl") if is_main else None
@@ -341,6 +356,8 @@ class RunLog:
         self.bar = tqdm(total=self.max_steps, initial=step, desc="tandem", disable=not self.show_bar, dynamic_ncols=True)
 
     def step(self, record: dict) -> None:
+        for listener in self.listeners:
+            self.stop_asked |= bool(listener.step(record))
         if not self.is_main:
             return
         self.metrics.write(record)
@@ -359,6 +376,8 @@ class RunLog:
     def evaluation(self, step: int, results: dict, prompts: int) -> None:
         if not self.is_main:
             return
+        for listener in self.listeners:
+            listener.evaluation(step, results)
         self.evals.write({"step": step, **results})
         self.accelerator.log(results, step=step)
         shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in results.items() if k == "eval/reward" or k.startswith("eval/pass@"))
