@@ -38,6 +38,7 @@ LONGEST_FIRST = [
     "test_resume.py",  # 132
     "test_lora.py",  # 87
     "test_fleet.py",  # 100: three servers, two training runs of 1 and of 2 processes
+    "test_api.py",  # 70 (2026-12-07): a TRL script under python and accelerate launch, the same run by the CLI, a callback's stop and resume
     "test_multiturn.py",  # 53
     "test_server.py",  # 33
     "test_rewards.py",  # 24
