@@ -45,6 +45,7 @@ class Normalisation:
     grad_accum: int = 1  # micro-batches summed into one optimizer step
     step_tokens: float = 0.0  # dapo's divisor: the step's loss tokens, all ranks and micro-batches (step_token_normalizers)
     world_size: int = 1
+    sequences: int = 0  # of the micro-batch, a sequence possibly several rows (policy_loss counts them)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Objective:
     vespo_lambda_neg: float = 2.0
 
 
-# (per_token (N, T), mask (N, T), norm, sequences (N,): the sequence 0..S-1 each row belongs to) -> the loss
+# (per_token (N, T), mask (N, T), norm, sequences (N,): the sequence 0..norm.sequences-1 each row belongs to) -> the loss
 Reduction = Callable[[torch.Tensor, torch.Tensor, Normalisation, torch.Tensor], torch.Tensor]
 ObjectiveFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 REDUCTIONS: dict[str, Reduction] = {}
@@ -101,18 +102,14 @@ def get_reduction(loss_type: str) -> Reduction:
     return get_loss_type(loss_type)[1]
 
 
-def _per_sequence(per_row: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+def _per_sequence(per_row: torch.Tensor, sequences: torch.Tensor, norm: Normalisation) -> torch.Tensor:
     """(N,) values of rows -> (S,) their sums per sequence (differentiable)."""
-    return per_row.new_zeros(_count(sequences)).index_add(0, sequences, per_row)
-
-
-def _count(sequences: torch.Tensor) -> int:
-    return int(sequences.max()) + 1 if len(sequences) else 0
+    return per_row.new_zeros(norm.sequences).index_add(0, sequences, per_row)
 
 
 @register_reduction("grpo")
 def _grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation, sequences: torch.Tensor) -> torch.Tensor:
-    per_seq = _per_sequence((per_token * mask).sum(-1), sequences) / _per_sequence(mask.sum(-1), sequences).clamp(min=1.0)  # (S,)
+    per_seq = _per_sequence((per_token * mask).sum(-1), sequences, norm) / _per_sequence(mask.sum(-1), sequences, norm).clamp(min=1.0)  # (S,)
     return per_seq.mean() / norm.grad_accum
 
 
@@ -123,7 +120,7 @@ def _bnpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation, sequ
 
 @register_reduction("dr_grpo")
 def _dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation, sequences: torch.Tensor) -> torch.Tensor:
-    return (per_token * mask).sum() / (_count(sequences) * norm.max_completion_length) / norm.grad_accum
+    return (per_token * mask).sum() / (norm.sequences * norm.max_completion_length) / norm.grad_accum
 
 
 @register_reduction("dapo")
@@ -154,7 +151,7 @@ def step_token_normalizers(counts: torch.Tensor, how: str) -> torch.Tensor:
 
 @register_reduction("luspo")
 def _luspo(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalisation, sequences: torch.Tensor) -> torch.Tensor:
-    return _per_sequence((per_token * mask).sum(-1), sequences).mean() / norm.grad_accum
+    return _per_sequence((per_token * mask).sum(-1), sequences, norm).mean() / norm.grad_accum
 
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -233,7 +230,8 @@ def policy_loss(
         per_token = per_token + beta * per_token_kl
         metrics = {"kl": _masked_mean(per_token_kl, mask).detach(), **metrics}
     if sequences is None:
-        sequences = torch.arange(logprobs.shape[0], device=logprobs.device)
+        sequences = torch.arange(logprobs.shape[0])
+    norm = replace(norm, sequences=int(sequences.max()) + 1 if len(sequences) else 0)  # counted where they are (the CPU): no wait on the device
     return reduce(per_token, mask, norm, sequences.to(logprobs.device)), metrics
 
 

@@ -83,8 +83,10 @@ class Rollout:
     def rows(self) -> list["Rollout"]:
         """What trains: the earlier rows, then this one; one sequence of the loss's reduction, and
         one sample: every row ends as the trajectory did (truncated, failed or finished)."""
+        if not self.earlier:
+            return [self]
         last = replace(self, earlier=None)
-        return [replace(last, turns=None, token_versions=None, **row) for row in self.earlier or []] + [last]
+        return [replace(last, turns=None, token_versions=None, **row) for row in self.earlier] + [last]
 
     @property
     def model_tokens(self) -> int:

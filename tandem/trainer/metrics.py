@@ -7,8 +7,8 @@ import importlib.util
 import json
 import math
 import os
-from typing import Protocol
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
