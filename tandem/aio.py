@@ -10,10 +10,17 @@ the process alive after the run ends, where a ThreadPoolExecutor's threads are j
 """
 
 import asyncio
+import inspect
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Awaitable, Callable
+
+def is_async(fn) -> bool:
+    """Whether calling fn gives a coroutine: an `async def` function (or a partial of one), or an
+    object whose __call__ is one (ms-swift's AsyncORM, a TRL callable class)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))
+
 
 _user_loop: "LoopThread | None" = None
 _user_loop_lock = threading.Lock()

@@ -24,7 +24,6 @@ object, optimizers, quantization_config, processing classes, and tools, environm
 rollout_func as objects (give them to GRPOConfig as 'file.py:name').
 """
 
-import functools
 import json
 import math
 import os
@@ -161,53 +160,12 @@ def _refuse_objects(model, **given) -> None:
 
 
 def _rewards(reward_funcs, args: TrainConfig) -> list:
-    """The NamedRewards of TRL's reward_funcs, in order: functions as they are, specs and reward
-    model names loaded as `tandem train` loads them; args.reward_weights apply in that order."""
-    from tandem import rewards
-
+    """The NamedRewards of TRL's reward_funcs, in order: functions as they are, TRL's strings as
+    specs or reward model names (config.load_rewards); args.reward_weights apply in that order."""
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs is not None else []
     if not funcs:
         raise ConfigError("GRPOTrainer(reward_funcs=...): give at least one reward function")
-    specs = [f if not isinstance(f, (str, os.PathLike)) else _spec(str(f)) for f in funcs]
-    weights = args.reward_weights or [1.0] * len(specs)
-    if len(weights) != len(specs):
-        raise ConfigError(f"reward_weights has {len(weights)} values for {len(specs)} reward_funcs; give one weight each")
-    model_options = {"device": args.reward_model_device, "dtype": args.reward_model_dtype, "batch_size": args.reward_model_batch_size}
-    by_spec = [(s, w) for s, w in zip(specs, weights) if isinstance(s, str)]
-    try:  # together, so that reward_num_workers makes one pool
-        loaded = iter(rewards.load_rewards([s for s, _ in by_spec], [w for _, w in by_spec], args.reward_timeout, args.reward_on_timeout,
-                                           model_options, args.reward_num_workers) if by_spec else [])  # fmt: skip
-    except (ValueError, OSError, ImportError) as exc:
-        raise ConfigError(str(exc)) from exc
-    out = []
-    for spec, weight in zip(specs, weights):
-        if isinstance(spec, str):
-            out.append(next(loaded))
-            continue
-        if not callable(spec) or type(spec).__module__.startswith("transformers"):
-            raise ConfigError(f"reward_funcs entry {spec!r}: give a function, a reward spec, or a reward model's name or folder (not a model object)")
-        if args.reward_num_workers:
-            raise ConfigError(f"reward_num_workers={args.reward_num_workers} scores functions given by spec ('file.py:fn') in workers; "
-                              f"{_name(spec)} is given as an object: give it by spec, or reward_num_workers 0")  # fmt: skip
-        out.append(rewards.NamedReward(_name(spec), spec, float(weight), args.reward_timeout, args.reward_on_timeout))
-    names = [r.name for r in out]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"reward_funcs {names}: two functions of the same name; their metrics would collide")
-    return out
-
-
-def _spec(name: str) -> str:
-    """A TRL string reward: tandem's spec as it is (a built-in, 'file.py:fn', 'model:NAME', a
-    folder), else a reward model's hub name, as TRL reads it."""
-    from tandem.rewards import BUILTIN_REWARDS, model
-
-    return name if name in BUILTIN_REWARDS or ":" in name or model.is_reward_model(name) else f"{model.PREFIX}{name}"
-
-
-def _name(fn) -> str:
-    """The metric name of a reward function, TRL's: its __name__ (a partial's function's, an object's class's)."""
-    inner = fn.func if isinstance(fn, functools.partial) else fn
-    return getattr(inner, "__name__", None) or type(inner).__name__
+    return args.load_rewards([str(f) if isinstance(f, (str, os.PathLike)) else f for f in funcs])
 
 
 def _dataset(ds, argument: str):

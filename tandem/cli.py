@@ -33,6 +33,8 @@ def _collector_paused():
 
 
 def _train(args: argparse.Namespace) -> int:
+    if os.environ.get("NPROC_PER_NODE") and "LOCAL_RANK" not in os.environ:
+        _launch(os.environ["NPROC_PER_NODE"], args.argv)
     with _collector_paused():
         from tandem.trainer.config import config_from_args
         from tandem.trainer.loop import NonFiniteStepError, Preempted, train
@@ -48,6 +50,22 @@ def _train(args: argparse.Namespace) -> int:
         print(f"tandem: {exc}", file=sys.stderr)
         return SIGTERM_EXIT
     return 0
+
+
+def _launch(processes: str, argv: list[str]) -> None:
+    """`NPROC_PER_NODE=N tandem train ...`: this command in N processes under torchrun, as ms-swift
+    starts `swift rlhf` (its NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT too). torchrun takes
+    this process's place, so a scheduler's SIGTERM reaches it and its ranks."""
+    from tandem.trainer.config import ConfigError
+
+    if not processes.isdigit() or int(processes) < 1:
+        raise ConfigError(f"NPROC_PER_NODE={processes!r}: give the number of training processes, e.g. NPROC_PER_NODE=2")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", processes]
+    for variable, flag in (("NNODES", "--nnodes"), ("NODE_RANK", "--node_rank"), ("MASTER_ADDR", "--master_addr"), ("MASTER_PORT", "--master_port")):
+        if os.environ.get(variable):
+            launcher += [flag, os.environ[variable]]
+    sys.stdout.flush()
+    os.execv(sys.executable, [*launcher, "-m", "tandem.cli", *argv])
 
 
 def _rollout(args: argparse.Namespace) -> int:
@@ -368,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
 
         parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    args.argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if unknown:
         _reject_unknown(parser, args.command, unknown)
     _log_to_stderr()

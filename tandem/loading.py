@@ -13,24 +13,28 @@ def load_object(spec: str, option: str, kind: str = "function"):
     if ":" not in spec:
         raise ValueError(f"{option} {spec!r} is not of the form 'path/to/file.py:{kind}' or 'package.module:{kind}'")
     where, name = spec.rsplit(":", 1)
+    obj = getattr(load_module(where, f"{option} {spec!r}"), name, None)
+    if not callable(obj):
+        raise ValueError(f"{option} {spec!r}: {where} has no {kind} {name!r}")
+    return obj
+
+
+def load_module(where: str, named: str):
+    """The module of a file ("path/to/file.py", run once) or of an importable name; `named` (the
+    option and its value) begins each error."""
     try:
         if where.endswith(".py"):
             path = Path(where)
             if not path.is_file():
-                raise FileNotFoundError(f"{option} {spec!r}: file {path} does not exist")
-            module = _file_module(path)
-        else:
-            module = importlib.import_module(where)
+                raise FileNotFoundError(f"{named}: file {path} does not exist")
+            return _file_module(path)
+        return importlib.import_module(where)
     except SyntaxError as exc:
-        raise ValueError(f"{option} {spec!r}: {exc.filename}, line {exc.lineno}: {exc.msg}") from None
+        raise ValueError(f"{named}: {exc.filename}, line {exc.lineno}: {exc.msg}") from None
     except (FileNotFoundError, ImportError):
         raise
     except Exception as exc:  # the file's own code, run at load, failed: a user's mistake, named as one
-        raise ValueError(f"{option} {spec!r}: loading {where} raised {type(exc).__name__}: {exc}") from exc
-    obj = getattr(module, name, None)
-    if not callable(obj):
-        raise ValueError(f"{option} {spec!r}: {where} has no {kind} {name!r}")
-    return obj
+        raise ValueError(f"{named}: loading {where} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _file_module(path: Path):

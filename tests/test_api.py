@@ -159,7 +159,8 @@ def test_trl_names_resolve_and_what_tandem_cannot_honour_is_refused_at_construct
         (dict(quantization_config=object()), "quantized training is not built"),
         (dict(reward_funcs=[]), "give at least one reward function"),
         (dict(reward_funcs=[_reward, _reward]), "two functions of the same name"),
-        (dict(args=GRPOConfig(str(tmp_path), reward_num_workers=2)), "_reward is given as an object: give it by spec"),
+        (dict(reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=GRPOConfig(str(tmp_path), reward_num_workers=2)),
+         "'<lambda>' cannot reach reward_num_workers=2 worker processes .*or give reward_num_workers 0"),
     ]
     for change, message in refused:
         given = dict(model=str(tiny_model), reward_funcs=_reward, args=GRPOConfig(str(tmp_path)), train_dataset=_rows()) | change

@@ -1,6 +1,6 @@
 """Datasets, prompt formatting and the group sampler."""
 
-from tandem.data.datasets import DataError, check_prompt, load_prompt_dataset, validate_rows
+from tandem.data.datasets import DataError, check_prompt, load_prompt_dataset, sample_rows, validate_rows
 from tandem.data.prompts import PROMPT_TRUNCATION, encode_prompt, prompt_text
 from tandem.data.sampler import GroupSampler, SamplerState
 
@@ -13,5 +13,6 @@ __all__ = [
     "encode_prompt",
     "load_prompt_dataset",
     "prompt_text",
+    "sample_rows",
     "validate_rows",
 ]

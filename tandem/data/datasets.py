@@ -62,8 +62,32 @@ def load_prompt_dataset(path_or_name, split: str = "train", config_name: str | N
                 "Dataset.save_to_disk, one of data files that datasets.load_dataset reads, or a .jsonl/.json/.parquet/.csv file"
             ) from exc
         raise DataError(f"dataset {path_or_name} could not be loaded ({type(exc).__name__}: {exc})") from exc
+    ds = swift_messages(ds)
     validate_rows(ds, path_or_name)
     return ds
+
+
+def swift_messages(ds):
+    """ms-swift's row format, a `messages` column and no `prompt`: the messages before a last
+    assistant answer are the prompt (the answer stays, as the column `messages`, for rewards)."""
+    if "prompt" in ds.column_names or "messages" not in ds.column_names:
+        return ds
+
+    def prompt(row):
+        messages = row["messages"]
+        return {"prompt": messages[:-1] if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant" else messages}
+
+    return ds.map(prompt)
+
+
+def sample_rows(ds, n: int, seed: int):
+    """ms-swift's `dataset#n` (swift/dataset/utils.py sample_dataset): every row n // len times
+    over, then n % len rows drawn without replacement, seeded."""
+    import numpy as np
+
+    repeats, rest = divmod(n, len(ds))
+    picked = np.random.RandomState(seed).permutation(len(ds))[:rest]
+    return ds.select([*range(len(ds))] * repeats + picked.tolist())
 
 
 def check_jsonl(path: Path) -> None:

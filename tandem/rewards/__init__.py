@@ -2,8 +2,9 @@
 weights, timeouts, errors."""
 
 import asyncio
-import inspect
+import functools
 import math
+import pickle
 import sys
 import threading
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from tandem.aio import user_loop
+from tandem.aio import is_async, user_loop
 from tandem.loading import load_object
 from tandem.rewards import model as reward_model
 from tandem.rewards.builtin import BUILTIN_REWARDS, completion_text
@@ -62,26 +63,55 @@ def reward_name(spec: str) -> str:
     return spec.rsplit(":", 1)[-1]
 
 
-def load_rewards(specs: list[str], weights: list[float] | None, timeout: float | None = None, on_timeout: str = "error",
+def load_rewards(entries: list, weights: list[float] | None, timeout: float | None = None, on_timeout: str = "error",
                  model_options: dict | None = None, num_workers: int = 0) -> list[NamedReward]:  # fmt: skip
-    """The reward functions, loaded and checked. With num_workers, the plain functions (not
-    async ones, not reward models) score in that many worker processes; close_rewards ends them."""
-    if not specs:
+    """The reward functions of `entries`, specs (loaded here) or callables (named by __name__, as
+    TRL names them), checked. With num_workers, the plain ones (not async, not reward models)
+    score in that many worker processes; close_rewards ends them."""
+    if not entries:
         raise ValueError("reward_funcs is empty; give at least one, e.g. --reward_funcs exact_match")
     if weights is None:
-        weights = [1.0] * len(specs)
-    if len(weights) != len(specs):
-        raise ValueError(f"reward_weights has {len(weights)} values for {len(specs)} reward_funcs; give one weight each")
-    names = [reward_name(spec) for spec in specs]
+        weights = [1.0] * len(entries)
+    if len(weights) != len(entries):
+        raise ValueError(f"reward_weights has {len(weights)} values for {len(entries)} reward_funcs; give one weight each")
+    names = [reward_name(e) if isinstance(e, str) else callable_name(e) for e in entries]
     if len(set(names)) != len(names):
-        raise ValueError(f"reward_funcs {specs} has two functions of the same name; their metrics would collide")
-    fns = [load_reward_fn(spec, model_options) for spec in specs]
+        raise ValueError(f"reward_funcs {names} has two functions of the same name; their metrics would collide")
+    fns = [load_reward_fn(e, model_options) if isinstance(e, str) else _checked(e) for e in entries]
     if num_workers:
         pool = WorkerPool(num_workers)
-        for i, (spec, fn) in enumerate(zip(specs, fns)):
-            if not inspect.iscoroutinefunction(fn) and not isinstance(fn, reward_model.RewardModel):
-                fns[i] = PooledReward(spec, pool, timeout)
+        for i, (entry, fn) in enumerate(zip(entries, fns)):
+            if not is_async(fn) and not isinstance(fn, reward_model.RewardModel):
+                fns[i] = PooledReward(entry if isinstance(entry, str) else _to_workers(fn, names[i], num_workers), pool, timeout)
     return [NamedReward(name, fn, float(w), timeout, on_timeout) for name, fn, w in zip(names, fns, weights)]
+
+
+def callable_name(fn) -> str:
+    """A reward function's metric name, TRL's: its __name__ (a partial's function's, an object's class's)."""
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    return getattr(inner, "__name__", None) or type(inner).__name__
+
+
+def trl_spec(name: str) -> str:
+    """A reward named by a string in a TRL script: tandem's spec as it is (a built-in, 'file.py:fn',
+    'model:NAME', a folder), else a reward model's hub name, as TRL reads it."""
+    return name if name in BUILTIN_REWARDS or ":" in name or reward_model.is_reward_model(name) else f"{reward_model.PREFIX}{name}"
+
+
+def _checked(fn):
+    if not callable(fn) or type(fn).__module__.startswith("transformers"):
+        raise ValueError(f"reward_funcs entry {fn!r}: give a function, a reward spec, or a reward model's name or folder (not a model object)")
+    return fn
+
+
+def _to_workers(fn, name: str, num_workers: int):
+    """fn, where spawned workers can have it: pickled by reference to a module they import."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:  # noqa: BLE001 - pickle's errors are of many kinds; each means the same here
+        raise ValueError(f"reward function {name!r} cannot reach reward_num_workers={num_workers} worker processes ({exc}): define it "
+                         "at the top level of a module or script, or give reward_num_workers 0") from None  # fmt: skip
+    return fn
 
 
 def close_rewards(rewards: list[NamedReward]) -> None:
@@ -113,17 +143,17 @@ def score(rewards: list[NamedReward], prompts: list, completions: list, **kwargs
 async def _call_all(rewards: list[NamedReward], kwargs: dict) -> list:
     n = len(kwargs["completions"])
     results: list = [None] * len(rewards)
-    is_async = [inspect.iscoroutinefunction(r.fn) for r in rewards]
+    asynchronous = [is_async(r.fn) for r in rewards]
 
     async def plain_in_turn() -> None:
         for i, reward in enumerate(rewards):
-            if not is_async[i]:
+            if not asynchronous[i]:
                 results[i] = await _bounded(reward, lambda reward=reward: _in_thread(reward.fn, kwargs), n)
 
     async def one_async(i: int) -> None:
         results[i] = await _bounded(rewards[i], lambda: rewards[i].fn(**kwargs), n)
 
-    await asyncio.gather(plain_in_turn(), *(one_async(i) for i in range(len(rewards)) if is_async[i]))
+    await asyncio.gather(plain_in_turn(), *(one_async(i) for i in range(len(rewards)) if asynchronous[i]))
     return results
 
 
@@ -203,4 +233,5 @@ def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
     return torch.where(unknown, torch.full_like(total, math.nan), total)
 
 
-__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "RewardError", "combine", "completion_text", "close_rewards", "load_reward_fn", "load_rewards", "reward_name", "score"]
+__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "RewardError", "callable_name", "combine", "completion_text", "close_rewards", "load_reward_fn",
+           "load_rewards", "reward_name", "score", "trl_spec"]

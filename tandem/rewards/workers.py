@@ -1,8 +1,8 @@
 """Plain reward functions in a pool of worker processes (`reward_num_workers`).
 
 A batch is cut into one contiguous slice per worker; each worker loads the function from its
-spec ("file.py:fn", "module:fn" or a built-in name) and scores its slice, so CPU-heavy functions
-run in parallel, each on its own main thread (where signal-based timeouts, such as
+spec ("file.py:fn", "module:fn" or a built-in name), or unpickles it, and scores its slice, so
+CPU-heavy functions run in parallel, each on its own main thread (where signal-based timeouts, such as
 math-verify's defaults, work). A call past its timeout terminates the pool, stuck worker
 included, and the next call starts a fresh one.
 """
@@ -23,13 +23,14 @@ def _start_worker(parent: int) -> None:
     die_with(parent)
 
 
-def _score_slice(spec: str, kwargs: dict) -> list:
+def _score_slice(spec, kwargs: dict) -> list:
+    """`spec`'s values on this slice: a spec, loaded once, or the function itself (unpickled)."""
     from tandem.rewards import load_reward_fn
 
-    if spec not in _FNS:
+    if isinstance(spec, str) and spec not in _FNS:
         _FNS[spec] = load_reward_fn(spec)
     try:
-        return list(_FNS[spec](**kwargs))
+        return list((_FNS[spec] if isinstance(spec, str) else spec)(**kwargs))
     except SystemExit as exc:  # would end this worker and leave its task unanswered until the timeout
         raise RuntimeError(f"called sys.exit({exc.code!r})") from None
 
@@ -45,7 +46,7 @@ class WorkerPool:
             self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_start_worker, initargs=(os.getpid(),))
         return self._pool
 
-    def score(self, spec: str, kwargs: dict, timeout: float | None) -> list:
+    def score(self, spec, kwargs: dict, timeout: float | None) -> list:
         """fn(**kwargs) over the workers: every list argument as long as the batch is sliced, the
         rest passed whole. Raises TimeoutError (after terminating the pool) past `timeout`."""
         n = len(kwargs["completions"])
@@ -71,9 +72,10 @@ class WorkerPool:
 
 
 class PooledReward:
-    """A plain reward function, called like one, that scores in the pool's worker processes."""
+    """A plain reward function, called like one, that scores in the pool's worker processes: its
+    spec, or the function (a callable the workers unpickle by reference)."""
 
-    def __init__(self, spec: str, pool: WorkerPool, timeout: float | None):
+    def __init__(self, spec, pool: WorkerPool, timeout: float | None):
         self.spec, self.pool, self.timeout = spec, pool, timeout  # the pool enforces the timeout
 
     def __call__(self, **kwargs) -> list:

@@ -30,6 +30,13 @@ def api_key(args: argparse.Namespace) -> str | None:
     return read_api_key(args.api_key or None, args.api_key_file or None, "--api-key-file")
 
 
+def _one_engine(text: str) -> int:
+    if text != "1":
+        raise argparse.ArgumentTypeError(f"{text!r}: a tandem rollout server runs one engine; for {text}, start {text} servers on ports "
+                                         "of their own and give the trainer every one (--vllm_server_port P1 P2 ...)")  # fmt: skip
+    return 1
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder in HF format or hub name (the trainer's starting weights)")
     p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
@@ -53,9 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads. 0: on --device cpu, half of this host's cores (a trainer on the same host takes the rest in async mode, and lends the server every core while it generates for a sync run); on a GPU, torch's default. Given, the server keeps it")
     p.add_argument("--engine", default="transformers", choices=ENGINE_NAMES, help="transformers: tandem's own decode loop (any causal LM, CPU or GPU). vllm: vLLM (pip install 'tandem-rl[vllm]'); the options below are vLLM's own")
     v = p.add_argument_group("vLLM engine options (--engine vllm; unset: vLLM's defaults, but see --kv-cache-memory-bytes on CPU)")
-    v.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory vLLM may use for weights and KV cache")
-    v.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs to shard the model over")
-    v.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion; default: the model's")
+    v.add_argument("--gpu-memory-utilization", "--vllm_gpu_memory_utilization", dest="gpu_memory_utilization", type=float, default=None,
+                   help="fraction of GPU memory vLLM may use for weights and KV cache")  # fmt: skip
+    v.add_argument("--tensor-parallel-size", "--vllm_tensor_parallel_size", "--tensor_parallel_size", dest="tensor_parallel_size", type=int,
+                   default=None, help="GPUs to shard the model over")  # fmt: skip
+    v.add_argument("--data_parallel_size", "--vllm_data_parallel_size", dest="data_parallel_size", type=_one_engine, default=1,
+                   help="ms-swift's engines per server: 1 (for more, start a server per engine and give the trainer each URL)")  # fmt: skip
+    v.add_argument("--max-model-len", "--vllm_max_model_len", dest="max_model_len", type=int, default=None, help="longest prompt + completion; default: the model's")
     v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="reuse the KV cache of shared prompt prefixes (cleared at every weight update)")
     v.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs or torch.compile: starts faster, generates slower")
     v.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="bytes of KV cache. On --device cpu, where it lives in host memory, the default is what --max-batch-tokens tokens need")

@@ -179,7 +179,7 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None, given: Giv
     rollouts, template_kwargs, tool_names = _turns(config, tokenizer, turns_done, max_len)
     prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length,
                             template_kwargs)  # fmt: skip
-    table, skipped = load_prompts(given.train_dataset or config.dataset_name, tokenizer, prompts, max_len)
+    table, skipped = load_prompts(given.train_dataset or config.dataset_name, tokenizer, prompts, max_len, (config.dataset_sample, config.seed))
     if isinstance(rollouts, MultiTurn) and not all(table.conversational):
         raise ConfigError(f"tools and environment_factory need chat prompts (lists of messages) to render turns with the chat template; "
                           f"{config.dataset_name} has plain-text prompts")  # fmt: skip
@@ -276,7 +276,8 @@ def _resume_or_fresh(config: TrainConfig, dist: Dist, sharded: bool, bf16_warnin
         out.mkdir(parents=True, exist_ok=True)
         resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
         (out / "config.yaml").write_text(resolved)
-        print(f"tandem: resolved config ({dist.world} process(es))\n{resolved}", flush=True)
+        defaults = ", ms-swift's defaults" if config.defaults == "swift" else ""
+        print(f"tandem: resolved config ({dist.world} process(es){defaults})\n{resolved}", flush=True)
         if config.notes:
             print("tandem: from TRL's and ms-swift's names:\n  " + "\n  ".join(config.notes), flush=True)
         if changes:

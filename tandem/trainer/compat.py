@@ -173,6 +173,51 @@ def _overlong_filter(value, given: dict) -> tuple[dict, str | None]:
     return {"mask_truncated_completions": _bool(value)}, None
 
 
+def _swift_dataset(value, given: dict) -> tuple[dict, str | None]:
+    """ms-swift's `--dataset name_or_path#N`: the dataset, and N rows sampled from it."""
+    values = value if isinstance(value, list) else [value]
+    if len(values) != 1:
+        raise Refused(f"{len(values)} datasets: tandem trains on one; join them into one file (a 'prompt' or 'messages' column)")
+    name, _, sample = str(values[0]).rpartition("#") if "#" in str(values[0]) else (str(values[0]), "", "")
+    if sample and not sample.isdigit():
+        raise Refused(f"after '#' give the number of rows to sample, e.g. {name}#1000")
+    return {"dataset_name": name} | ({"dataset_sample": int(sample)} if sample else {}), None
+
+
+def _tuner_type(value, given: dict) -> tuple[dict, str | None]:
+    if value not in ("full", "lora"):
+        raise Refused("tandem trains every weight (full) or LoRA adapters (lora)")
+    return {"use_peft": value == "lora"}, None
+
+
+def _torch_dtype(value, given: dict) -> tuple[dict, str | None]:
+    """ms-swift loads the weights in torch_dtype and trains under bf16 autocast with bfloat16."""
+    if value not in ("float32", "bfloat16"):
+        raise Refused("tandem trains in float32 or bfloat16")
+    return {"model_init_kwargs": {"dtype": value}, "bf16": value == "bfloat16"}, None
+
+
+def _deepspeed(value, given: dict) -> tuple[dict, str | None]:
+    """ZeRO-3 shards parameters, gradients and optimizer state as FSDP's full_shard does; ZeRO-2
+    keeps the parameters whole through each step, as shard_grad_op does between forward and backward."""
+    stage = {"zero3": "full_shard", "zero3_offload": None, "zero2": "shard_grad_op", "zero2_offload": None}.get(str(value))
+    if stage is None:
+        raise Refused("tandem shards with FSDP2: give fsdp full_shard (ZeRO-3's sharding) or shard_grad_op (ZeRO-2's); offload and "
+                      "DeepSpeed config files are not built")  # fmt: skip
+    return {"fsdp": stage}, f"fsdp {stage} (FSDP2's equivalent of {value})"
+
+
+def swift_defaults(values: dict) -> dict:
+    """ms-swift 4's GRPO defaults (swift/arguments) for the options `values` does not set: LoRA
+    unless tuner_type full, and its learning rate for that; beta 0.04, loss grpo, temperature 0.9."""
+    lora = _bool(values.get("use_peft", True))
+    out = {"use_peft": lora, "learning_rate": 1e-4 if lora else 1e-5, "beta": 0.04, "loss_type": "grpo", "temperature": 0.9,
+           "weight_decay": 0.1, "lr_scheduler_type": "cosine"}  # fmt: skip
+    if lora:
+        out |= {"lora_r": 8, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": ["all-linear"]}
+    return {k: v for k, v in out.items() if k not in values}
+
+
 _NO_HUB = "tandem does not upload to the hub; copy the output_dir yourself"
 _SERVER_SIDE = "a vLLM engine option: give it to the rollout server (`tandem rollout --engine vllm {flag}`)"
 
@@ -306,7 +351,6 @@ OPTIONS: dict[str, Option] = {
     "dataloader_num_workers": inert(lambda v: True, "prompts are encoded once at start; no data loader workers", ""),
     "push_to_hub": refuse_if_given(_NO_HUB),
     "hub_model_id": refuse_if_given(_NO_HUB),
-    "deepspeed": refuse_if_given("tandem shards with FSDP2: give fsdp full_shard instead of deepspeed"),
     "fsdp": Option(SAME, "FSDP2 sharding"),
     "fsdp_config": Option(SAME, "FSDP2 options"),
     "resume_from_checkpoint": Option(SAME, "a checkpoint folder, or latest"),
@@ -316,8 +360,22 @@ OPTIONS: dict[str, Option] = {
     "dynamic_sample": Option(SAME, "DAPO's dynamic sampling (ms-swift's)"),
     "max_resample_times": Option(SAME, "dynamic sampling's draws (ms-swift's)"),
     "overlong_filter": Option(MAPPED, "`mask_truncated_completions` (ms-swift's)", _overlong_filter),
-    "soft_cache_length": refuse_if_given("give the length_penalty reward instead (DAPO's soft overlong punishment over the last 20% of max_completion_length)"),
     "async_generate": Option(SAME, "generation overlapping training"),
+    "rlhf_type": inert(lambda v: v == "grpo", "tandem trains GRPO", "give grpo"),
+    "model": rename("model_name_or_path", "`model_name_or_path` (ms-swift's)"),
+    "dataset": Option(MAPPED, "`dataset_name`, and `dataset_sample` N from ms-swift's `name#N`; one dataset", _swift_dataset),
+    "split_dataset_ratio": inert(lambda v: float(v) == 0, "no rows are held out of the training set",
+                                 "give eval_dataset (a file of its own) for evaluation, and split_dataset_ratio 0"),  # fmt: skip
+    "load_from_cache_file": inert(lambda v: True, "prompts are encoded once at start", ""),
+    "dataset_num_proc": inert(lambda v: True, "prompts are encoded once at start, in one process", ""),
+    "tuner_type": Option(MAPPED, "full: every weight; lora: `use_peft` (ms-swift's)", _tuner_type),
+    "train_type": Option(MAPPED, "as tuner_type (ms-swift 3's name)", _tuner_type),
+    "lora_rank": rename("lora_r", "`lora_r` (ms-swift's)"),
+    "target_modules": rename("lora_target_modules", "`lora_target_modules` (ms-swift's)"),
+    "torch_dtype": Option(MAPPED, "float32; bfloat16: weights loaded in bf16 (`model_init_kwargs` dtype) and `bf16`", _torch_dtype),
+    "deepspeed": Option(MAPPED, "zero3: `fsdp full_shard`; zero2: `fsdp shard_grad_op`; else refused, naming fsdp", _deepspeed),
+    "rollout_importance_sampling_mode": rename("off_policy_correction", "`off_policy_correction` (ms-swift's)"),
+    "rollout_importance_sampling_threshold": rename("importance_sampling_cap", "`importance_sampling_cap` (ms-swift's)"),
 }
 
 

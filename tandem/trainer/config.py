@@ -58,6 +58,8 @@ class TrainConfig:
     max_prompt_length: int | None = opt(512, "Longest prompt in tokens; see prompt_truncation. 'none' for no limit.", "model and data")
     prompt_truncation: str = opt("error", "What to do with a longer prompt: 'error' stops at load, 'left' keeps its last tokens, 'skip' drops it (counted in the log).", "model and data")
     shuffle_dataset: bool = opt(True, "Shuffle prompts each epoch (seeded).", "model and data")
+    dataset_sample: int = opt(0, "Train on this many rows of the dataset, drawn with the seed (rows repeat where it exceeds them): ms-swift's 'dataset#N'. 0: every row.", "model and data")
+    defaults: str = opt("tandem", "The defaults of options not given: tandem (TRL's GRPOConfig's, where tandem has the option) or swift (ms-swift's GRPO: LoRA rank 8 on all-linear unless tuner_type full, learning rate 1e-4 (1e-5 full), beta 0.04, loss_type grpo, temperature 0.9, weight_decay 0.1, cosine schedule).", "model and data")
     output_dir: str = opt("runs/tandem", "Run folder: metrics.jsonl, completions.jsonl, config.yaml, checkpoints.", "model and data")
     seed: int = opt(42, "Seed for init, data order and every sampled completion.", "model and data")
     model_init_kwargs: dict | None = opt(None, "Keyword arguments for the policy's and reference's from_pretrained (e.g. {\"attn_implementation\": \"sdpa\"}), as TRL's: the weights load in float32 unless it gives a dtype (bfloat16, float16, or auto for the checkpoint's own); bf16 mixed precision is the bf16 option.", "model and data")
@@ -102,6 +104,16 @@ class TrainConfig:
     reward_model_device: str = opt("auto", "Device of reward models: 'auto' (this process's GPU, else the CPU), or e.g. 'cpu', 'cuda:1'.", "rewards")
     reward_model_dtype: str = opt("auto", "Dtype of reward models: 'auto' (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16.", "rewards")
     reward_model_batch_size: int = opt(32, "Completions a reward model scores per forward pass.", "rewards")
+    external_plugins: list[str] = opt([], "ms-swift plugin files, imported at start: the reward classes they register (orms['name'] = Class, from swift.rewards) become reward_funcs names.", "rewards")
+    cosine_min_len_value_wrong: float = opt(-0.5, "ms-swift's cosine reward: a wrong answer's reward at length 0 (arXiv:2502.03373).", "rewards")
+    cosine_max_len_value_wrong: float = opt(0.0, "ms-swift's cosine reward: a wrong answer's reward at cosine_max_len.", "rewards")
+    cosine_min_len_value_correct: float = opt(1.0, "ms-swift's cosine reward: a correct answer's reward at length 0.", "rewards")
+    cosine_max_len_value_correct: float = opt(0.5, "ms-swift's cosine reward: a correct answer's reward at cosine_max_len.", "rewards")
+    cosine_max_len: int | None = opt(None, "ms-swift's cosine reward: the length its curve spans; none: max_completion_length.", "rewards")
+    repetition_n_grams: int = opt(3, "ms-swift's repetition reward: the n of the word n-grams counted.", "rewards")
+    repetition_max_penalty: float = opt(-1.0, "ms-swift's repetition reward: its value where every n-gram repeats.", "rewards")
+    soft_max_length: int | None = opt(None, "ms-swift's soft_overlong reward: the length where it reaches -1; none: max_completion_length.", "rewards")
+    soft_cache_length: int | None = opt(None, "ms-swift's soft_overlong reward: the tokens before soft_max_length over which it falls from 0 to -1.", "rewards")
     dynamic_sample: bool = opt(False, "DAPO's dynamic sampling: groups whose rewards all agree (zero std, no learning signal) are replaced by groups of new prompts.", "rewards")
     max_resample_times: int = opt(3, "With dynamic_sample: at most this many draws of new prompts per round; a round still short keeps some agreeing groups.", "rewards")
 
@@ -212,6 +224,8 @@ class TrainConfig:
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        self.cosine_max_len = self.cosine_max_len or self.max_completion_length
+        self.soft_max_length = self.soft_max_length or self.max_completion_length
         urls = [self.rollout_server_urls] if isinstance(self.rollout_server_urls, str) else self.rollout_server_urls
         # one comma-separated string too, as URLs are written in environment variables
         self.rollout_server_urls = [u.strip() for url in urls for u in str(url).split(",") if u.strip()]
@@ -232,13 +246,19 @@ class TrainConfig:
             )
         self.steps_per_generation = steps
 
-    def load_rewards(self) -> list:
-        """The reward functions, loaded; a spec that does not load is a config error naming it."""
+    def load_rewards(self, given: list | None = None) -> list:
+        """The reward functions of reward_funcs, or `given` (the Python API's: callables and TRL's
+        strings), loaded; ms-swift's names as its rewards (tandem.rewards.swift). A spec that does
+        not load is a config error naming it."""
         from tandem import rewards
+        from tandem.rewards import swift
 
         model_options = {"device": self.reward_model_device, "dtype": self.reward_model_dtype, "batch_size": self.reward_model_batch_size}
         try:
-            return rewards.load_rewards(self.reward_funcs, self.reward_weights, self.reward_timeout, self.reward_on_timeout, model_options, self.reward_num_workers)
+            entries = swift.resolve(self.reward_funcs if given is None else given, self.external_plugins, self, self.defaults == "swift")
+            if given is not None:
+                entries = [rewards.trl_spec(e) if isinstance(e, str) else e for e in entries]
+            return rewards.load_rewards(entries, self.reward_weights, self.reward_timeout, self.reward_on_timeout, model_options, self.reward_num_workers)
         except (ValueError, OSError, ImportError) as exc:
             raise ConfigError(str(exc)) from exc
 
@@ -441,6 +461,7 @@ class TrainConfig:
         need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level", f"must be one of {IMPORTANCE_SAMPLING_LEVELS}")
         need(bool(self.reward_funcs), "reward_funcs", "give at least one: --reward_funcs environment, the environment's get_reward()"
              if self.environment_factory else "give at least one, e.g. --reward_funcs exact_match")  # fmt: skip
+        self._validate_swift(need)
         need(
             self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
             "reward_weights",
@@ -466,6 +487,17 @@ class TrainConfig:
             "lora_target_modules",
             "give all-linear alone, or module names",
         )
+
+    def _validate_swift(self, need) -> None:
+        """ms-swift's options: its defaults, dataset sample, plugins and reward arguments."""
+        need(self.defaults in ("tandem", "swift"), "defaults", "give tandem or swift")
+        need(self.dataset_sample >= 0, "dataset_sample", "must be >= 0 (0: every row)")
+        missing = [p for p in self.external_plugins if not Path(p).is_file()]
+        need(not missing, "external_plugins", f"{missing} are not files; give the path of each plugin .py file")
+        need(self.repetition_n_grams >= 1, "repetition_n_grams", "must be >= 1")
+        if "soft_overlong" in self.reward_funcs:
+            need(self.soft_cache_length is not None and 0 < self.soft_cache_length < self.soft_max_length, "soft_cache_length",
+                 f"the soft_overlong reward needs 0 < soft_cache_length < soft_max_length ({self.soft_max_length}), e.g. --soft_cache_length {self.soft_max_length // 4 or 1}")  # fmt: skip
 
     def _validate_loss_variants(self, need) -> None:
         """The options of TRL 1.16's loss variants and corrections, with TRL's rules."""
@@ -602,7 +634,7 @@ class ConfigError(ValueError):
 # seed; its weights (or adapters) are those of its model. A resume must keep these; the rest (the
 # learning rate, max_steps, logging, servers) may change, and the resume lists what did.
 RESUME_FIXED = (
-    "model_name_or_path", "dataset_name", "dataset_split", "dataset_config", "shuffle_dataset", "seed", "num_generations",
+    "model_name_or_path", "dataset_name", "dataset_sample", "dataset_split", "dataset_config", "shuffle_dataset", "seed", "num_generations",
     "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
     "loss_type", "async_generate", "max_staleness", "max_tokens_per_round", "lora_r", "lora_alpha", "lora_target_modules", "lora_modules_to_save", "sync_ref_model",
 )  # fmt: skip (use_peft and fsdp have checks of their own, which say how to resume)
@@ -633,9 +665,14 @@ def _resolve_names(layers: list[tuple[dict, str]]) -> compat.Resolved:
     """TRL's and ms-swift's names resolved into tandem's options over every layer at once
     (tandem.trainer.compat); a refused one is a config error naming it."""
     try:
-        return compat.resolve(layers, set(_fields()))
+        resolved = compat.resolve(layers, set(_fields()))
     except compat.Refused as exc:
         raise ConfigError(str(exc)) from None
+    if resolved.values.get("defaults") == "swift":
+        swift = compat.swift_defaults(resolved.values)
+        resolved.values |= swift
+        resolved.notes.append(f"defaults swift: ms-swift's {', '.join(f'{k} {v!r}' for k, v in swift.items())}")
+    return resolved
 
 
 def _base_type(tp):

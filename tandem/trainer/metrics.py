@@ -293,8 +293,8 @@ def log_with(report_to: list[str]) -> list[str] | None:
 
 
 def hyperparameters(config: dict) -> dict:
-    """The run's config as trackers take it: scalars, lists written out."""
-    return {k: (", ".join(map(str, v)) if isinstance(v, list) else v) for k, v in config.items()}
+    """The run's config as trackers take it: scalars, lists and mappings written out."""
+    return {k: ", ".join(map(str, v)) if isinstance(v, list) else json.dumps(v) if isinstance(v, dict) else v for k, v in config.items()}
 
 
 def scalars(record: dict) -> dict:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from tandem.data import DataError, encode_prompt, load_prompt_dataset
+from tandem.data import DataError, encode_prompt, load_prompt_dataset, sample_rows
 from tandem.rollout.weights import host_id
 from tandem.trainer.batch import PrefixSharingLM, checkpoint_layers
 from tandem.trainer.embedding import sparse_tied_embedding
@@ -51,12 +51,14 @@ class PromptOptions:
     chat_template_kwargs: dict  # extra arguments of the chat template (Qwen3's enable_thinking)
 
 
-def load_prompts(source: str, tokenizer, options: PromptOptions, max_len: int | None = None) -> tuple[PromptTable, int]:
-    """Encode every prompt of the dataset `source` once; returns the table and how many prompts
-    were skipped as too long. A prompt that leaves less than max_completion_length of the model's
-    `max_len` positions is an error naming its row: the engine and the trainer's forward would
-    run past the positions the model knows."""
+def load_prompts(source: str, tokenizer, options: PromptOptions, max_len: int | None = None, sample: tuple[int, int] = (0, 0)) -> tuple[PromptTable, int]:
+    """Encode every prompt of the dataset `source` once (or of `sample`, (rows, seed), drawn from
+    it); returns the table and how many prompts were skipped as too long. A prompt that leaves less
+    than max_completion_length of the model's `max_len` positions is an error naming its row: the
+    engine and the trainer's forward would run past the positions the model knows."""
     ds = load_prompt_dataset(source, options.split, options.config_name)
+    if sample[0]:
+        ds = sample_rows(ds, *sample)
     others = [c for c in ds.column_names if c != "prompt"]
     table = PromptTable(prompts=[], prompt_ids=[], columns={c: [] for c in others}, conversational=[])
     skipped = 0
