@@ -14,6 +14,7 @@ import math
 import re
 import sys
 import types
+from pathlib import Path
 from typing import Callable
 
 from tandem.aio import is_async
@@ -162,6 +163,9 @@ def resolve(entries: list, plugins: list[str], args, prefer: bool) -> list:
     return out
 
 
+_REGISTERED: dict[Path, set[str]] = {}  # plugin file -> the names it registered (a file runs once a process)
+
+
 def import_plugins(paths: list[str]) -> tuple[dict[str, type], set[str]]:
     """The registry after importing each plugin file, and the names the plugins registered. A
     plugin's `from swift.rewards import ORM, orms` gets ms-swift's where it is installed."""
@@ -170,10 +174,13 @@ def import_plugins(paths: list[str]) -> tuple[dict[str, type], set[str]]:
     except ImportError:
         registry = orms
         _stand_in()
-    before = dict(registry)
     for path in paths:
-        load_module(path, f"external_plugins entry {path!r}")  # runs the file, once
-    return registry, {n for n, cls in registry.items() if before.get(n) is not cls}
+        key = Path(path).resolve()
+        if key not in _REGISTERED:
+            before = dict(registry)
+            load_module(path, f"external_plugins entry {path!r}")  # runs the file
+            _REGISTERED[key] = {n for n, cls in registry.items() if before.get(n) is not cls}
+    return registry, set().union(*(_REGISTERED[Path(p).resolve()] for p in paths))
 
 
 def _stand_in() -> None:
