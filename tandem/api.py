@@ -70,14 +70,18 @@ class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, args: TrainConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None, peft_config=None,
                  tools=None, rollout_func=None, environment_factory=None):  # fmt: skip
-        _refuse_objects(model, processing_class=processing_class, reward_processing_classes=reward_processing_classes, optimizers=optimizers,
-                        quantization_config=quantization_config, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)  # fmt: skip
-        model = str(model)
-        args = args if args is not None else self.config_class(f"{model.rstrip('/').split('/')[-1]}-GRPO")
+        _refuse_objects(reward_processing_classes=reward_processing_classes, optimizers=optimizers, quantization_config=quantization_config,
+                        tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)  # fmt: skip
+        name, self._model = (str(model), None) if isinstance(model, (str, os.PathLike)) else (_model_name(model, processing_class), model)
+        args = args if args is not None else self.config_class(f"{name.rstrip('/').split('/')[-1]}-GRPO")
         if not isinstance(args, TrainConfig):
             raise TypeError(f"args must be a GRPOConfig (tandem's), got {type(args).__name__}: change the import to `from tandem import GRPOConfig`")
         self.args = args
-        args.model_name_or_path = model
+        args.model_name_or_path = name
+        if _is_peft(model):
+            if peft_config is not None:
+                raise ConfigError("GRPOTrainer(model=PeftModel, peft_config=...): the model has its adapters already; give one of the two")
+            _apply_peft(args, model.peft_config[model.active_adapter])
         self._rewards = _rewards(reward_funcs, args)
         args.reward_funcs = [r.name for r in self._rewards]
         self._train, args.dataset_name = _dataset(train_dataset, "train_dataset")
@@ -85,7 +89,7 @@ class GRPOTrainer:
         if peft_config is not None:
             _apply_peft(args, peft_config)
         args.validate()
-        self.model = None  # the trained model, after train()
+        self.model, self.processing_class = self._model, processing_class  # the trained model and its tokenizer, after train()
         self.callbacks = _Callbacks(args, list(callbacks or []))
         self._main = True
 
@@ -108,11 +112,11 @@ class GRPOTrainer:
 
         if resume_from_checkpoint:
             self.args.resume_from_checkpoint = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
-        run = build(self.args, Given(self._rewards, self._train, self._eval, (self.callbacks,)))
+        run = build(self.args, Given(self._rewards, self._train, self._eval, (self.callbacks,), self._model, self.processing_class))
         try:
             self.callbacks.begin(run.state.step, run.dist.is_main)
             last = run_loop(run)
-            self.model, self._main, self.tokenizer = run.learner.lm, run.dist.is_main, run.tokenizer
+            self.model, self._main, self.processing_class = run.learner.lm, run.dist.is_main, run.tokenizer
         except BaseException:
             run.close(ok=False)
             raise
@@ -131,7 +135,8 @@ class GRPOTrainer:
         if self._main:
             out = Path(output_dir or self.args.output_dir)
             self.model.save_pretrained(out)
-            self.tokenizer.save_pretrained(out)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(out)
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -140,10 +145,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
     config_class = AsyncGRPOConfig
 
 
-def _refuse_objects(model, **given) -> None:
+def _refuse_objects(**given) -> None:
     """What tandem does not take from a TRL script yet: a config error naming it and the way instead."""
     instead = {
-        "processing_class": "tandem loads the model's own tokenizer: leave it out (a chat template of your own: save it with the model)",
         "reward_processing_classes": "reward models load their own tokenizers: leave it out",
         "optimizers": "tandem trains with AdamW (optim, learning_rate, lr_scheduler_type)",
         "quantization_config": "quantized training is not built: train in bf16, or LoRA (peft_config)",
@@ -154,9 +158,26 @@ def _refuse_objects(model, **given) -> None:
     for name, value in given.items():
         if value is not None and value != (None, None) and value != []:
             raise ConfigError(f"GRPOTrainer({name}=...) is not taken by tandem: {instead[name]}")
-    if not isinstance(model, (str, os.PathLike)):
-        raise ConfigError(f"GRPOTrainer(model=...) takes a hub name or a model folder, not a {type(model).__name__} object: save it "
-                          "(model.save_pretrained(folder), with its tokenizer) and give the folder")  # fmt: skip
+
+
+def _is_peft(model) -> bool:
+    return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft") for c in type(model).__mro__)
+
+
+def _model_name(model, processing_class) -> str:
+    """The name a model object goes by (TRL's model id, its config's _name_or_path): its
+    tokenizer loads from there unless processing_class is given; checkpoints and messages say it."""
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model() if _is_peft(model) else model
+    if not isinstance(base, PreTrainedModel):
+        raise ConfigError(f"GRPOTrainer(model=...) takes a hub name, a model folder, a transformers PreTrainedModel or a peft PeftModel, "
+                          f"not a {type(model).__name__}")  # fmt: skip
+    name = base.config._name_or_path
+    if not name and processing_class is None:
+        raise ConfigError("GRPOTrainer(model=...): the model was not loaded from a folder or the hub, so its tokenizer is not known: "
+                          "give processing_class=tokenizer")  # fmt: skip
+    return name or type(base).__name__
 
 
 def _rewards(reward_funcs, args: TrainConfig) -> list:

@@ -134,6 +134,60 @@ def test_a_callback_stops_the_run_with_a_checkpoint_and_train_resumes_it(tiny_mo
     assert got["history"] == [1, 2, 3, 4, 5]
 
 
+# A model given as an object, as TRL scripts load one: trained in place, with its reference a copy
+# of its start (beta > 0), to the losses of the run given the model's name; a PeftModel trains its
+# own adapters.
+OBJECT_SCRIPT = """
+import json, sys
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from tandem import GRPOConfig, GRPOTrainer
+
+out, name = sys.argv[1], sys.argv[2]
+dataset = Dataset.from_list([{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)])
+options = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=3, beta=0.04, learning_rate=1e-2,
+               disable_tqdm=True)
+
+def losses(folder):
+    return [json.loads(line)["loss"] for line in open(f"{folder}/metrics.jsonl")]
+
+def length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+GRPOTrainer(name, reward_funcs=length, args=GRPOConfig(f"{out}/named", **options), train_dataset=dataset).train()
+model = AutoModelForCausalLM.from_pretrained(name)
+start = {k: v.clone() for k, v in model.state_dict().items()}
+trainer = GRPOTrainer(model, reward_funcs=length, args=GRPOConfig(f"{out}/object", **options), train_dataset=dataset,
+                      processing_class=AutoTokenizer.from_pretrained(name))
+trainer.train()
+peft = get_peft_model(AutoModelForCausalLM.from_pretrained(name), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+adapters = {k: v.clone() for k, v in peft.state_dict().items()}
+lora = GRPOTrainer(peft, reward_funcs=length, args=GRPOConfig(f"{out}/peft", **options), train_dataset=dataset)
+lora.train()
+after = peft.state_dict()
+print("RESULT", json.dumps({
+    "same_losses": losses(f"{out}/named") == losses(f"{out}/object"), "in_place": trainer.model is model,
+    "changed": any(not torch.equal(start[k], v) for k, v in model.state_dict().items()),
+    "peft_in_place": lora.model is peft, "lora_r": lora.args.lora_r, "use_peft": lora.args.use_peft,
+    "adapters_moved": any(not torch.equal(adapters[k], after[k]) for k in after if "lora_B" in k),
+    "base_kept": all(torch.equal(adapters[k], after[k]) for k in after if "lora_" not in k),
+}))
+"""
+
+
+def test_a_model_object_trains_in_place_as_its_name_does_and_a_peft_model_trains_its_adapters(tiny_model, tmp_path):
+    script = tmp_path / "objects.py"
+    script.write_text(OBJECT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(tiny_model)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    got = json.loads(line.removeprefix("RESULT "))
+    assert got == {"same_losses": True, "in_place": True, "changed": True, "peft_in_place": True, "lora_r": 4, "use_peft": True,
+                   "adapters_moved": True, "base_kept": True}  # fmt: skip
+
+
 def _rows(n=4):
     return datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}] * n)
 
@@ -153,7 +207,7 @@ def test_trl_names_resolve_and_what_tandem_cannot_honour_is_refused_at_construct
     trainer = GRPOTrainer(str(tiny_model), reward_funcs=[_reward, "exact_match"], args=GRPOConfig(str(tmp_path)), train_dataset=_rows())
     assert trainer.args.reward_funcs == ["_reward", "exact_match"] and trainer.args.dataset_name == "train_dataset (4 rows)"
     refused = [
-        (dict(model=torch.nn.Linear(1, 1)), "takes a hub name or a model folder, not a Linear object"),
+        (dict(model=torch.nn.Linear(1, 1)), "takes a hub name, a model folder, a transformers PreTrainedModel or a peft PeftModel, not a Linear"),
         (dict(train_dataset=datasets.DatasetDict(train=_rows())), r"is a DatasetDict of splits \['train'\]: give one"),
         (dict(optimizers=(object(), None)), "tandem trains with AdamW"),
         (dict(quantization_config=object()), "quantized training is not built"),

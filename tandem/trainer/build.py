@@ -134,12 +134,15 @@ class Run:
 @dataclass(frozen=True)
 class Given:
     """What the Python API (tandem/api.py) hands over as objects instead of the config's specs:
-    reward functions (NamedReward, loaded), and datasets (data.GivenDataset)."""
+    reward functions (NamedReward, loaded), datasets (data.GivenDataset), the model (a
+    PreTrainedModel or PeftModel, trained in place) and its tokenizer."""
 
     reward_fns: list | None = None
     train_dataset: object = None
     eval_dataset: object = None
     listeners: tuple = ()  # metrics.Listener: callbacks
+    model: object = None
+    tokenizer: object = None
 
 
 def build(config: TrainConfig, given: Given = Given()) -> Run:
@@ -171,7 +174,7 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None, given: Giv
 
     # Cheap checks first: reward functions and the dataset fail before the model loads.
     reward_fns = given.reward_fns if given.reward_fns is not None else config.load_rewards()
-    tokenizer, max_len = load_tokenizer(config.model_name_or_path, config.trust_remote_code)
+    tokenizer, max_len = load_tokenizer(config.model_name_or_path, config.trust_remote_code, given.tokenizer, given.model)
     # A sharded colocated engine's every forward is a collective: its decoding, and a round's
     # turns, go on until every process's are done.
     lockstep = plan is not None and config.rollout_mode == "colocate"
@@ -193,8 +196,8 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None, given: Giv
             print(f"tandem: num_train_epochs={config.num_train_epochs:g} over {len(table.prompt_ids)} prompts: max_steps={config.max_steps}")
 
     if config.gradient_checkpointing is None:
-        _decide_checkpointing(config, dist, max(len(p) for p in table.prompt_ids))
-    learner = _learner(config, dist, plan, resume_dir, tokenizer.pad_token_id)
+        _decide_checkpointing(config, dist, max(len(p) for p in table.prompt_ids), given.model)
+    learner = _learner(config, dist, plan, resume_dir, tokenizer.pad_token_id, given.model)
     if dist.is_main:
         print(_precision_line(config, learner.lm), flush=True)
     state = TrainState.from_checkpoint(saved) if saved else TrainState()
@@ -290,11 +293,11 @@ def _resume_or_fresh(config: TrainConfig, dist: Dist, sharded: bool, bf16_warnin
     return resume_dir, saved
 
 
-def _decide_checkpointing(config: TrainConfig, dist: Dist, longest_prompt: int) -> None:
-    """gradient_checkpointing's default, from the model's shape, a micro-batch of the longest
-    prompt and max_completion_length, and the memory there is; said, and written into config.yaml
-    (a resume keeps it)."""
-    model_config = AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+def _decide_checkpointing(config: TrainConfig, dist: Dist, longest_prompt: int, model=None) -> None:
+    """gradient_checkpointing's default, from the model's shape (the given `model`'s, else the
+    named one's), a micro-batch of the longest prompt and max_completion_length, and the memory
+    there is; said, and written into config.yaml (a resume keeps it)."""
+    model_config = model.config if model is not None else AutoConfig.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
     tokens = config.per_device_train_batch_size * (longest_prompt + config.max_completion_length)
     config.gradient_checkpointing, why = resolve_checkpointing(model_config, tokens, available_memory(dist.device))
     if dist.is_main:
@@ -302,11 +305,13 @@ def _decide_checkpointing(config: TrainConfig, dist: Dist, longest_prompt: int) 
         (Path(config.output_dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
-def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad_id: int) -> Learner:
-    """The policy (the checkpoint's when resuming), prepared: DDP wraps a whole copy, FSDP has
-    sharded it already; the gradient-sync switch of either; the optimizer's and schedule's state."""
+def _learner(config: TrainConfig, dist: Dist, plan, resume_dir: Path | None, pad_id: int, given=None) -> Learner:
+    """The policy (the `given` model, else the named one; the checkpoint's weights when resuming),
+    prepared: DDP wraps a whole copy, FSDP has sharded it already; the gradient-sync switch of
+    either; the optimizer's and schedule's state."""
     options = PolicyOptions(
         model=config.model_name_or_path,
+        given=given,
         load_kwargs=model_load_kwargs(config.model_init_kwargs, config.trust_remote_code),
         disable_dropout=config.disable_dropout,
         head_in_fp32=config.cast_lm_head_to_fp32 and bool(config.bf16),

@@ -85,13 +85,35 @@ def lora_config(options: LoraOptions, model: torch.nn.Module):
 
 
 def adapt(options: LoraOptions, model: torch.nn.Module, resume_dir: Path | None) -> torch.nn.Module:
-    """The base model with trainable adapters: new ones, or the checkpoint's when resuming."""
+    """The base model with trainable adapters: new ones, or the checkpoint's when resuming. A model
+    adapted already (the Python API's PeftModel) trains its own adapters, the checkpoint's
+    weights loaded into them when resuming."""
+    peft = _peft()
+    if isinstance(model, peft.PeftModel):
+        return _adapted(model, resume_dir)
     if resume_dir is not None:
         if not (resume_dir / "adapter_config.json").is_file():
             raise ConfigError(f"use_peft=True: checkpoint {resume_dir} holds a full model, not adapters; resume it with use_peft false")
         return load_adapters(model, resume_dir, trainable=True)
     with _quiet():
-        return _peft().get_peft_model(model, lora_config(options, model))
+        return peft.get_peft_model(model, lora_config(options, model))
+
+
+def _adapted(model, resume_dir: Path | None):
+    from safetensors.torch import load_file
+
+    if model.active_adapter != ADAPTER or type(model.peft_config[ADAPTER]).__name__ != "LoraConfig":
+        raise ConfigError(f"model: a PeftModel with one LoRA adapter named {ADAPTER!r} is trained; it has {model.active_adapter!r} "
+                          f"({type(model.peft_config[model.active_adapter]).__name__})")  # fmt: skip
+    if resume_dir is not None:
+        weights = resume_dir / "adapter_model.safetensors"
+        if not weights.is_file():
+            raise ConfigError(f"use_peft=True: checkpoint {resume_dir} holds a full model, not adapters; resume it with use_peft false")
+        _peft().set_peft_model_state_dict(model, load_file(weights))
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name or ".modules_to_save." in name:
+            parameter.requires_grad_(True)
+    return model
 
 
 def load_adapters(model: torch.nn.Module, folder: Path, trainable: bool = False):

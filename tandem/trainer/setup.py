@@ -1,6 +1,7 @@
 """Building what the loop uses: the prompt table, the policy with its optimizer and schedule,
 and the reference model. Plain objects out; the loop decides what to do with them."""
 
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +20,20 @@ from tandem.trainer.config import ConfigError
 from tandem.trainer.producer import PromptTable
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False):
-    """The tokenizer (with a pad token) and the model's max_position_embeddings (None if its config
-    has none), read before the model loads. A name that loads neither from a folder here nor from
-    the hub is a config error that says which."""
+def load_tokenizer(name: str, trust_remote_code: bool = False, tokenizer=None, model=None):
+    """The tokenizer (the given one, or the named model's; with a pad token) and the model's
+    max_position_embeddings (the given model's, else the named one's; None if its config has
+    none), read before the model loads. A name that loads neither from a folder here nor from the
+    hub is a config error that says which."""
     from transformers import AutoConfig, AutoTokenizer
 
     local = Path(name).expanduser()
-    if name.startswith(("/", ".", "~")) and not local.is_dir():
+    if (tokenizer is None or model is None) and name.startswith(("/", ".", "~")) and not local.is_dir():
         raise ConfigError(f"model_name_or_path={name}: no such folder; give a model folder (e.g. one made by `tandem init-model`) or a hub name")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-        max_len = getattr(AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code), "max_position_embeddings", None)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code) if tokenizer is None else getattr(tokenizer, "tokenizer", tokenizer)
+        model_config = model.config if model is not None else AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        max_len = getattr(model_config, "max_position_embeddings", None)
     except (OSError, ValueError) as exc:
         where = "the folder holds no model with a tokenizer" if local.is_dir() else "not a folder here, and it did not load from the hub"
         raise ConfigError(f"model_name_or_path={name}: {where} ({exc})") from None
@@ -107,6 +110,7 @@ class PolicyOptions:
     # The tied embedding's sparse backward (embedding.py): one unsharded process only, as DDP and
     # FSDP with it are untried.
     sparse_embedding: bool = False
+    given: torch.nn.Module | None = None  # the Python API's model object, trained in place of loading `model`
 
 
 # fp32 bytes one decoder layer keeps for the backward per token without checkpointing, in units of
@@ -162,7 +166,12 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
     starting weights), AdamW over the trainable weights and the learning-rate schedule. `shard`
     (FSDP) shards the policy and the reference before the optimizer is made over the shards; a
     sharded checkpoint's weights are loaded into them later, with the optimizer state."""
-    load = lambda name: _prepared(AutoModelForCausalLM.from_pretrained(name, **options.load_kwargs), options)  # noqa: E731
+    def load(name) -> torch.nn.Module:
+        given = options.given if options.given is not None and name == options.model else None
+        return _prepared(AutoModelForCausalLM.from_pretrained(name, **options.load_kwargs) if given is None else given, options)
+
+    # A given model is trained in place: its reference is a copy of it as it starts
+    reference = copy.deepcopy(options.given) if options.given is not None and options.reference else None
     if options.lora is not None:
         model = lora.adapt(options.lora, load(options.model), resume_dir)
     else:
@@ -185,7 +194,7 @@ def build_policy(options: PolicyOptions, resume_dir: Path | None, device, shard=
         model = shard(model)
     ref_model = None
     if options.reference:
-        ref = load(options.model)
+        ref = load(options.model) if reference is None else _prepared(reference, options)
         ref = ref.to(device) if shard is None else shard(ref)  # sharding moves each unit to the device itself
         ref_model = PrefixSharingLM(ref.eval().requires_grad_(False))
     optimizer = torch.optim.AdamW(
