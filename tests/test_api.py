@@ -23,10 +23,12 @@ import json, sys
 from datasets import Dataset
 from tandem import GRPOConfig, GRPOTrainer
 
-def reward_len(completions, trainer_state, **kwargs):
+def reward_len(completions, trainer_state, log_metric, log_extra, **kwargs):
     # shaped by training progress: the length aimed at grows from 4 to 8 characters over the run
     assert trainer_state.max_steps == 8 and 0 <= trainer_state.global_step < 8, trainer_state
     aim = 4 + 4 * trainer_state.global_step / trainer_state.max_steps
+    log_metric("aim", aim)  # TRL's: a metric of the step, and a column of completions.jsonl
+    log_extra("chars", [len(c) for c in completions])
     return [-abs(aim - len(c)) / 8 for c in completions]
 
 async def reward_answer(completions, answer, **kwargs):
@@ -66,6 +68,9 @@ def test_a_trl_script_trains_as_tandem_train_does_and_two_processes_as_one(tiny_
     assert one["global_step"] == 8 and one["logged"] == 8 and one["training_loss"] == pytest.approx(sum(_losses(tmp_path / "one")) / 8)
     metrics = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     assert {"rewards/reward_len/mean", "rewards/reward_answer/mean"} <= set(metrics[0])
+    assert [m["aim"] for m in metrics] == [4 + 4 * step / 8 for step in range(8)]  # a round a step, scored at its first step
+    logged = [json.loads(line) for line in (tmp_path / "one" / "completions.jsonl").read_text().splitlines()]
+    assert all(isinstance(c["chars"], int) for c in logged) and len({c["chars"] for c in logged}) > 1
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "one")
     start = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert any(not torch.equal(a, b) for a, b in zip(saved.state_dict().values(), start.state_dict().values()))
@@ -83,6 +88,7 @@ def test_a_trl_script_trains_as_tandem_train_does_and_two_processes_as_one(tiny_
     # under accelerate launch, 2 processes of 4 completions train as one of 8
     two = _script(script, tmp_path / "two", 4, tiny_model, procs=2)
     assert two["global_step"] == 8 and _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-6)
+    assert [json.loads(line)["aim"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()] == [m["aim"] for m in metrics]
 
 
 # A TRL callback that stops the run at step 3 (should_training_stop), then the run resumed

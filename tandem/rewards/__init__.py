@@ -38,6 +38,28 @@ class NamedReward:
     on_timeout: str = "error"  # past the timeout: "error" stops the step, "none" gives no opinion for that batch
 
 
+class RewardLog:
+    """What reward functions log besides their rewards, TRL's way: `log_extra(column, values)`, a
+    value per completion of the batch for completions.jsonl, and `log_metric(name, value)`, a
+    scalar averaged into the step's metrics. Both are passed to every reward function."""
+
+    def __init__(self, n: int):
+        self.n, self.columns, self.metrics = n, {}, {}
+
+    def log_extra(self, column: str, values) -> None:
+        self.columns.setdefault(str(column), []).extend(list(values))
+
+    def log_metric(self, name: str, value) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def rows(self) -> list[dict]:
+        """Each completion's logged columns; a column of other than one value per completion is a RewardError."""
+        for column, values in self.columns.items():
+            if len(values) != self.n:
+                raise RewardError(f"log_extra({column!r}, ...) was given {len(values)} values for a batch of {self.n} completions; give one per completion")
+        return [{c: v[i] for c, v in self.columns.items()} for i in range(self.n)]
+
+
 def load_reward_fn(spec: str, model_options: dict | None = None) -> RewardFn:
     """A built-in name, "path/to/file.py:fn", "package.module:fn", or a reward model
     ("model:NAME", or a folder holding a sequence-classification model)."""
@@ -121,8 +143,9 @@ def close_rewards(rewards: list[NamedReward]) -> None:
             reward.fn.pool.close()
 
 
-def score(rewards: list[NamedReward], prompts: list, completions: list, **kwargs) -> torch.Tensor:
-    """Rewards of every completion under every function: (N, F) float, NaN where a function said None.
+def score(rewards: list[NamedReward], prompts: list, completions: list, log: RewardLog | None = None, **kwargs) -> torch.Tensor:
+    """Rewards of every completion under every function: (N, F) float, NaN where a function said
+    None; what they log besides goes to `log`.
 
     `async def` functions run concurrently with each other and with the plain ones, which run
     one after another in a worker thread; on the process's loop for user coroutines
@@ -133,7 +156,8 @@ def score(rewards: list[NamedReward], prompts: list, completions: list, **kwargs
     the statistics.
     """
     n = len(completions)
-    kwargs = {"prompts": prompts, "completions": completions, **kwargs}
+    log = log or RewardLog(n)
+    kwargs = {"prompts": prompts, "completions": completions, **kwargs, "log_extra": log.log_extra, "log_metric": log.log_metric}
     results = user_loop().run(_call_all(rewards, kwargs))
     columns = [_column(reward, values, n) for reward, values in zip(rewards, results)]
     # One tensor built at the end, not N*F indexed writes: cheaper, and this runs in the async producer's thread.
@@ -233,5 +257,5 @@ def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
     return torch.where(unknown, torch.full_like(total, math.nan), total)
 
 
-__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "RewardError", "callable_name", "combine", "completion_text", "close_rewards", "load_reward_fn",
+__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "RewardError", "RewardLog", "callable_name", "combine", "completion_text", "close_rewards", "load_reward_fn",
            "load_rewards", "reward_name", "score", "trl_spec"]

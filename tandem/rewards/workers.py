@@ -23,14 +23,17 @@ def _start_worker(parent: int) -> None:
     die_with(parent)
 
 
-def _score_slice(spec, kwargs: dict) -> list:
-    """`spec`'s values on this slice: a spec, loaded once, or the function itself (unpickled)."""
-    from tandem.rewards import load_reward_fn
+def _score_slice(spec, kwargs: dict) -> tuple[list, dict, dict]:
+    """`spec`'s values on this slice (a spec, loaded once, or the function itself, unpickled),
+    and what it logged (log_extra's columns, log_metric's values)."""
+    from tandem.rewards import RewardLog, load_reward_fn
 
     if isinstance(spec, str) and spec not in _FNS:
         _FNS[spec] = load_reward_fn(spec)
+    log = RewardLog(len(kwargs["completions"]))
     try:
-        return list((_FNS[spec] if isinstance(spec, str) else spec)(**kwargs))
+        values = list((_FNS[spec] if isinstance(spec, str) else spec)(**kwargs, log_extra=log.log_extra, log_metric=log.log_metric))
+        return values, log.columns, log.metrics
     except SystemExit as exc:  # would end this worker and leave its task unanswered until the timeout
         raise RuntimeError(f"called sys.exit({exc.code!r})") from None
 
@@ -48,7 +51,9 @@ class WorkerPool:
 
     def score(self, spec, kwargs: dict, timeout: float | None) -> list:
         """fn(**kwargs) over the workers: every list argument as long as the batch is sliced, the
-        rest passed whole. Raises TimeoutError (after terminating the pool) past `timeout`."""
+        rest passed whole; what the slices log is logged here, in their order. Raises TimeoutError
+        (after terminating the pool) past `timeout`."""
+        log_extra, log_metric = kwargs.pop("log_extra"), kwargs.pop("log_metric")
         n = len(kwargs["completions"])
         parts = min(self.num_workers, n) or 1
         bounds = [n * i // parts for i in range(parts + 1)]
@@ -59,10 +64,17 @@ class WorkerPool:
         pending = [self._started().apply_async(_score_slice, (spec, part)) for part in slices]
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return [value for result in pending for value in result.get(None if deadline is None else max(0.0, deadline - time.monotonic()))]
+            results = [result.get(None if deadline is None else max(0.0, deadline - time.monotonic())) for result in pending]
         except multiprocessing.TimeoutError:
             self.close()
             raise TimeoutError(f"reward workers took longer than {timeout}s") from None
+        for _, columns, metrics in results:
+            for column, values in columns.items():
+                log_extra(column, values)
+            for name, values in metrics.items():
+                for value in values:
+                    log_metric(name, value)
+        return [value for values, _, _ in results for value in values]
 
     def close(self) -> None:
         if self._pool is not None:

@@ -79,6 +79,7 @@ class Rollout:
     # rows before this one, each a dict of prompt_ids, completion_ids, behav_logprobs, loss_mask
     # and version. They train with this rollout's reward and advantage (rows()).
     earlier: list[dict] | None = None
+    logged: dict | None = None  # what reward functions gave log_extra for it (TRL's): column -> value, for completions.jsonl
 
     def rows(self) -> list["Rollout"]:
         """What trains: the earlier rows, then this one; one sequence of the loss's reduction, and

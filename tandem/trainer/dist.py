@@ -48,6 +48,15 @@ class Dist:
             return t
         return self.accelerator.reduce(t.to(self.device), reduction="sum").cpu()
 
+    def objects_collective(self, obj, what: str) -> list:
+        """Every rank's `obj` (picklable), in rank order."""
+        self.enter(f"objects {what}")
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def all_collective(self, flag: bool, what: str) -> bool:
         """Whether `flag` holds on every rank (a sharded engine's lockstep: decoding goes on until
         every rank's sequences are done)."""

@@ -42,7 +42,7 @@ def evaluate(engine, tokenizer, table: PromptTable, reward_fns, params: Sampling
     seeds = [completion_seed(seed, EVAL_ROUND, i, g) for i in range(len(table.prompt_ids)) for g in range(G)]
     outs = (rollouts or SingleTurn()).generate(engine, prompts, params, seeds, min_version)
     rollouts = [to_rollout(o, prompts[k], k // G, k // G) for k, o in enumerate(outs)]
-    scores, _ = score_rollouts(table, tokenizer, reward_fns, params.max_tokens, rollouts)  # (N, F)
+    scores = score_rollouts(table, tokenizer, reward_fns, params.max_tokens, rollouts)[0]  # (N, F)
     reward = rewards_lib.combine(scores, [r.weight for r in reward_fns])  # (N,)
     passed = (reward >= pass_threshold).reshape(-1, G).sum(1).tolist()  # per prompt
     out = {"eval/reward": reward.nanmean().item()}  # a completion no function had an opinion on is left out (and fails)

@@ -55,6 +55,7 @@ class Prepared:
     staleness: dict  # versions behind, over every rank (async)
     orders: list[list[int]]  # per pass, the seeded order its micro-batches take the sequences in
     step_tokens: torch.Tensor  # (num_iterations, steps_per_pass) dapo's divisor of each step: its loss tokens over every rank, or their round's mean
+    reward_metrics: dict  # what reward functions gave log_metric, over every rank
 
     def micro_batch(self, idx: list[int]) -> tuple[list[int], torch.Tensor]:
         """The rows of the rollouts `idx` and, of each, which of them it belongs to (the reduction's sequence)."""
@@ -220,8 +221,8 @@ def prepare_collective(run: Run, rnd: Round) -> Prepared:
     orders = [_order(s.seed, n, rnd.index, it) for it in range(s.num_iterations)]
     step_tokens = step_token_normalizers(dist.sum_collective(loss_tokens(s, orders, rows, spans), "step tokens"), s.token_normalizer)
     local = advantages[dist.rank * n : (dist.rank + 1) * n][torch.tensor([i for i, span in enumerate(spans) for _ in span], dtype=torch.long)]  # (N_rows,)
-    return Prepared(rollouts, rows, spans, table, all_rewards, advantages, local, adv_stats, lengths, truncated,
-                    resampling, old_logps, ref_logps, behav_logps, staleness, orders, step_tokens)  # fmt: skip
+    return Prepared(rollouts, rows, spans, table, all_rewards, advantages, local, adv_stats, lengths, truncated, resampling, old_logps,
+                    ref_logps, behav_logps, staleness, orders, step_tokens, metrics.reward_metrics_collective(dist, rnd.reward_metrics))  # fmt: skip
 
 
 def loss_tokens(s, orders: list[list[int]], rows: list[Rollout], spans: list[range]) -> torch.Tensor:
@@ -260,6 +261,7 @@ def step_record_collective(run: Run, rnd: Round, batch: Prepared, loss_sum, grad
     record.setdefault("kl", None)  # no reference model when beta = 0
     names = [f.name for f in run.reward_fns]
     record.update(round_metrics(rnd, names, batch.table, batch.rewards, batch.adv_stats, batch.lengths, batch.truncated, round_seconds, first))
+    record.update({k: v for k, v in batch.reward_metrics.items() if k not in record})  # log_metric's, beside (never over) tandem's own
     record["prompts_skipped"] = run.skipped_prompts
     if run.schedule.dynamic_sample:  # on the round's first step, like its generate time
         dropped, resampled = batch.resampling.tolist() if first else (0, 0)

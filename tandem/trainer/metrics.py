@@ -200,6 +200,14 @@ def round_metrics(rnd, reward_names: list[str], table, rewards, adv_stats, lengt
     return m
 
 
+def reward_metrics_collective(dist, logged: dict) -> dict:
+    """What reward functions gave log_metric over every rank, as TRL averages it: each rank's mean
+    of its values, then the mean over the ranks that logged the name."""
+    every = dist.objects_collective({name: sum(v) / len(v) for name, v in logged.items() if v}, "reward metrics")
+    names = sorted({name for means in every for name in means})
+    return {name: sum(m[name] for m in every if name in m) / sum(name in m for m in every) for name in names}
+
+
 def turn_counts(rollouts, tool_names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's multi-turn counts, to be summed over ranks (trajectories, turns, tool seconds,
     trajectories whose template rewrote them, agents' errors, timeouts, new rows and rows trained,
@@ -258,6 +266,7 @@ def completion_records(rnd, tokenizer, reward_names: list[str], rewards, advanta
             "reward": rewards[k].item(),
             **{f"rewards/{name}": rnd.rewards[k, j].item() for j, name in enumerate(reward_names)},
             "advantage": advantages[k].item(),
+            **(ro.logged or {}),  # what reward functions gave log_extra
             "finish_reason": ro.finish_reason,
             "policy_version": ro.version,
             **({"token_versions": ro.token_versions} if ro.token_versions else {}),  # partial rollouts: [version, tokens] runs

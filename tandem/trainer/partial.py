@@ -243,7 +243,7 @@ class PartialProducer(AsyncProducer):
             rollouts, table, completions, dropped, resampled = self._resample(f.index, rollouts, table, completions, times)
         occupancy = f.occupancy_tokens / f.occupancy_slots if f.occupancy_slots else None
         return Round(f.index, rollouts, table, completions, times[0], times[1], f.sampler_state, dropped_groups=dropped,
-                     resampled_completions=resampled, occupancy=occupancy)  # fmt: skip
+                     resampled_completions=resampled, occupancy=occupancy, reward_metrics=self.reward_metrics.pop(f.index, {}))  # fmt: skip
 
 
 class SyncPartialProducer(PartialProducer):

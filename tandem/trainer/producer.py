@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -55,6 +55,7 @@ class Round:
     dropped_groups: int = 0  # dynamic sampling: groups of agreeing rewards left out of the round
     resampled_completions: int = 0  # dynamic sampling: completions generated to replace them
     occupancy: float | None = None  # of the engine: tokens kept / (sequences x decode steps) of the round's calls
+    reward_metrics: dict = field(default_factory=dict)  # name -> values reward functions gave log_metric (TRL's), this rank's
 
     def to_dict(self) -> dict:
         """JSON-ready (floats round-trip exactly through JSON; NaN rewards become null)."""
@@ -69,6 +70,7 @@ class Round:
             "dropped_groups": self.dropped_groups,
             "resampled_completions": self.resampled_completions,
             "occupancy": self.occupancy,
+            "reward_metrics": self.reward_metrics,
         }
 
     @classmethod
@@ -78,6 +80,7 @@ class Round:
             d["index"], [Rollout(**r) for r in d["rollouts"]], rewards, d["completions"],
             d["generate_seconds"], d["reward_seconds"], d["sampler_state"],
             dropped_groups=d.get("dropped_groups", 0), resampled_completions=d.get("resampled_completions", 0), occupancy=d.get("occupancy"),
+            reward_metrics=d.get("reward_metrics", {}),
         )  # fmt: skip
 
 
@@ -111,6 +114,7 @@ class SyncProducer:
         self.max_resample_times = max_resample_times  # None: no dynamic sampling
         self.rollouts = rollouts or SingleTurn()  # one completion per prompt, or turns with tools
         self.steps = steps  # (optimizer steps a round, max_steps): the trainer_state reward functions get
+        self.reward_metrics: dict[int, dict] = {}  # round -> what its reward functions gave log_metric, until the round is made
         self.round_index = 0  # the next round the trainer will get
         self._ready: dict[int, Round] = {}
 
@@ -164,8 +168,8 @@ class SyncProducer:
         longest = max(ro.model_tokens for ro in rollouts)
         single = isinstance(self.rollouts, SingleTurn)  # one engine call per round (or its resamples): its batch's occupancy
         occupancy = sum(ro.model_tokens for ro in rollouts) / (len(rollouts) * longest) if longest and single else None
-        return Round(r, rollouts, table, completions, times[0], times[1], self.sampler.state_dict(),
-                     dropped_groups=dropped, resampled_completions=resampled, occupancy=occupancy)  # fmt: skip
+        return Round(r, rollouts, table, completions, times[0], times[1], self.sampler.state_dict(), dropped_groups=dropped,
+                     resampled_completions=resampled, occupancy=occupancy, reward_metrics=self.reward_metrics.pop(r, {}))  # fmt: skip
 
     def _generate(self, r: int, indices: list[int], slots: list[int], times: list[float]) -> tuple[list[Rollout], torch.Tensor, list]:
         """The G completions of each prompt, scored; their seeds come from (round, slot)."""
@@ -232,7 +236,11 @@ class SyncProducer:
 
         per_round, max_steps = self.steps
         state = TrainerState(global_step=r * per_round, max_steps=max_steps)
-        return score_rollouts(self.table, self.tokenizer, self.reward_fns, self.params.max_tokens, rollouts, trainer_state=state)
+        table, completions, metrics = score_rollouts(self.table, self.tokenizer, self.reward_fns, self.params.max_tokens, rollouts, trainer_state=state)
+        logged = self.reward_metrics.setdefault(r, {})
+        for name, values in metrics.items():
+            logged.setdefault(name, []).extend(values)
+        return table, completions
 
 
 def table_prompts(table: PromptTable, rows: list[int]) -> list[Prompt]:
@@ -256,10 +264,12 @@ def to_rollout(t: Trajectory, prompt: Prompt, prompt_index: int, group_id: int) 
 
 
 def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.NamedReward], max_tokens: int, rollouts: list[Rollout],
-                   **more) -> tuple[torch.Tensor, list]:  # fmt: skip
-    """Every rollout's rewards (N, F) and its completion as the reward functions saw it: a
-    message list for a conversational prompt, else text; the prompt's other columns and `more`
-    (trainer_state) as keywords."""
+                   **more) -> tuple[torch.Tensor, list, dict]:  # fmt: skip
+    """Every rollout's rewards (N, F), its completion as the reward functions saw it (a message
+    list for a conversational prompt, else text), and what they gave log_metric; the prompt's
+    other columns and `more` (trainer_state) as keywords. What they gave log_extra goes on each
+    rollout (Rollout.logged)."""
+    log = rewards_lib.RewardLog(len(rollouts))
     texts = tokenizer.batch_decode([ro.completion_ids for ro in rollouts], skip_special_tokens=True)
     completions = [_completion(table, ro, t) for ro, t in zip(rollouts, texts)]
     rows = [ro.prompt_index for ro in rollouts]
@@ -273,11 +283,14 @@ def score_rollouts(table: PromptTable, tokenizer, reward_fns: list[rewards_lib.N
         completion_ids=[ro.completion_ids for ro in rollouts],
         max_completion_length=max_tokens,
         **columns,
+        log=log,
         **more,
     )
+    for ro, logged in zip(rollouts, log.rows()):
+        ro.logged = logged or None
     scores[[bool(ro.turns and ro.turns.get("zero_reward")) for ro in rollouts]] = 0.0  # a failed agent's, with agent_failure zero
     scores[[ro.failed for ro in rollouts]] = float("nan")  # an unfinished text earns nothing: see Rollout.failed
-    return scores, completions
+    return scores, completions, log.metrics
 
 
 def _completion(table: PromptTable, ro: Rollout, text: str):
