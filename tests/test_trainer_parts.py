@@ -72,7 +72,7 @@ def test_a_completion_the_engine_ended_on_an_error_is_never_trained(tiny_model):
     aborted = Rollout(0, 0, [7, 8], [54, 46, 55], [-1.0] * 3, "error", 0)
     assert collate([done, aborted], 0, "cpu", mask_truncated=False).completion_mask.tolist() == [[1, 1, 0], [0, 0, 0]]
     table = PromptTable(prompts=["p"], prompt_ids=[[7, 8]], columns={}, conversational=[False])
-    scores, _ = score_rollouts(table, AutoTokenizer.from_pretrained(tiny_model), load_rewards(["length_penalty"], None), 8, [done, aborted])
+    scores = score_rollouts(table, AutoTokenizer.from_pretrained(tiny_model), load_rewards(["length_penalty"], None), 8, [done, aborted])[0]
     assert not torch.isnan(scores[0]).any() and torch.isnan(scores[1]).all()
 
 
