@@ -90,7 +90,9 @@ class GRPOTrainer:
             _apply_peft(args, peft_config)
         args.validate()
         self.model, self.processing_class = self._model, processing_class  # the trained model and its tokenizer, after train()
+        self._trained = False
         self.callbacks = _Callbacks(args, list(callbacks or []))
+        self.callbacks.init_end()
         self._main = True
 
     @property
@@ -116,7 +118,7 @@ class GRPOTrainer:
         try:
             self.callbacks.begin(run.state.step, run.dist.is_main)
             last = run_loop(run)
-            self.model, self._main, self.processing_class = run.learner.lm, run.dist.is_main, run.tokenizer
+            self.model, self._main, self.processing_class, self._trained = run.learner.lm, run.dist.is_main, run.tokenizer, True
         except BaseException:
             run.close(ok=False)
             raise
@@ -126,6 +128,31 @@ class GRPOTrainer:
         loss = sum(losses) / len(losses) if losses else math.nan
         metrics = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}  # the last step's
         return TrainOutput(run.state.step, loss, {"train_loss": loss, **metrics})
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """The model as it is now (trained, or the one to train) on eval_dataset (else the one
+        given to the trainer), with eval_num_generations completions a prompt by tandem's engine
+        in this process: TRL's keys (eval_reward, eval_rewards/NAME/mean, eval_pass@k, ...).
+        Callbacks are told on_evaluate, and state.log_history gets the results."""
+        from transformers import AutoModelForCausalLM
+
+        from tandem.trainer.eval import evaluate_model
+        from tandem.trainer.setup import load_tokenizer, model_load_kwargs
+
+        source = _dataset(eval_dataset, "eval_dataset")[0] if eval_dataset is not None else self._eval or self.args.eval_dataset
+        if not source:
+            raise ConfigError("GRPOTrainer.evaluate(): give eval_dataset, to it or to GRPOTrainer")
+        if self.args.fsdp and self.model is not None and self._trained:
+            raise ConfigError("GRPOTrainer.evaluate() after a sharded (fsdp) run: evaluate during training (eval_dataset, eval_steps), "
+                              "or `tandem eval` on its checkpoint")  # fmt: skip
+        a = self.args
+        lm = self.model or AutoModelForCausalLM.from_pretrained(a.model_name_or_path, **model_load_kwargs(a.model_init_kwargs, a.trust_remote_code))
+        tokenizer = self.processing_class or load_tokenizer(a.model_name_or_path, a.trust_remote_code)[0]
+        results = evaluate_model(lm, tokenizer, source, self._rewards, a, a.eval_num_generations, a.eval_greedy, a.eval_pass_threshold)
+        out = {f"{metric_key_prefix}_{k.removeprefix('eval/')}": v for k, v in results.items() if k.removeprefix("eval/") not in (ignore_keys or [])}
+        self.state.log_history.append({**out, "step": self.state.global_step})
+        self.callbacks.evaluation(self.state.global_step, out)
+        return out
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The trained model (with LoRA, its adapters) and tokenizer as a folder from_pretrained
@@ -242,6 +269,15 @@ class _Callbacks:
         self.state.is_local_process_zero = main or int(os.environ.get("LOCAL_RANK", "0")) == 0
         self._tell("on_train_begin")
 
+    def init_end(self) -> None:
+        self._tell("on_init_end")
+
+    def step_begin(self) -> None:
+        self._tell("on_step_begin")
+
+    def saved(self, step: int) -> None:
+        self._tell("on_save")
+
     def step(self, record: dict) -> bool:
         self.state.global_step = record["step"]
         self.state.log_history.append(record)
@@ -250,7 +286,8 @@ class _Callbacks:
         return self.control.should_training_stop
 
     def evaluation(self, step: int, results: dict) -> None:
-        self._tell("on_evaluate", metrics=results)
+        """`results` under TRL's names: eval/reward as eval_reward."""
+        self._tell("on_evaluate", metrics={k.replace("eval/", "eval_", 1) if k.startswith("eval/") else k: v for k, v in results.items()})
 
     def end(self, metrics_file: Path) -> None:
         """The run is over: log_history becomes every line of metrics.jsonl (a resumed run's

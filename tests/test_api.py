@@ -103,6 +103,18 @@ class StopAtThree(TrainerCallback):
     def __init__(self):
         self.events = []
 
+    def on_init_end(self, args, state, control, **kwargs):
+        self.events.append(["init"])
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.events.append(["step", state.global_step])
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(["save", state.global_step])
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.events.append(["evaluate", sorted(k for k in metrics if k in ("eval_reward", "eval_pass@1"))])
+
     def on_train_begin(self, args, state, control, **kwargs):
         self.events.append(["begin", state.global_step, state.max_steps])
 
@@ -122,8 +134,10 @@ stopped = first.train()
 again = GRPOTrainer(model, reward_funcs="exact_match", args=GRPOConfig(out, max_steps=5, **options), train_dataset=dataset)
 again.add_callback(StopAtThree)
 resumed = again.train(resume_from_checkpoint=True)
+history = [r["step"] for r in again.state.log_history]
+evaluated = again.evaluate(eval_dataset=dataset)
 print("RESULT", json.dumps({"stopped": stopped.global_step, "first": first.callbacks.callbacks[0].events, "resumed": resumed.global_step,
-                            "again": again.callbacks.callbacks[0].events, "history": [r["step"] for r in again.state.log_history]}))
+                            "again": again.callbacks.callbacks[0].events, "history": history, "evaluated": evaluated}))
 """
 
 
@@ -134,10 +148,14 @@ def test_a_callback_stops_the_run_with_a_checkpoint_and_train_resumes_it(tiny_mo
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     got = json.loads(line.removeprefix("RESULT "))
-    assert got["stopped"] == 3 and got["first"] == [["begin", 0, 8], ["log", 1, 1], ["log", 2, 2], ["log", 3, 3], ["end", 3]]
+    assert got["stopped"] == 3 and got["first"] == [["init"], ["begin", 0, 8], ["step", 0], ["log", 1, 1], ["step", 1], ["log", 2, 2], ["save", 2],
+                                                   ["step", 2], ["log", 3, 3], ["save", 3], ["end", 3]]  # fmt: skip
     assert (tmp_path / "run" / "checkpoint-3").is_dir()  # the stop saved what it trained (save_steps 2 had saved step 2)
-    assert got["resumed"] == 5 and got["again"] == [["begin", 3, 5], ["log", 4, 4], ["log", 5, 5], ["end", 5]]
+    # added after construction: no on_init_end; then evaluate() after the run, TRL's keys
+    assert got["resumed"] == 5 and got["again"] == [["begin", 3, 5], ["step", 3], ["log", 4, 4], ["save", 4], ["step", 4], ["log", 5, 5],
+                                                    ["save", 5], ["end", 5], ["evaluate", ["eval_pass@1", "eval_reward"]]]  # fmt: skip
     assert got["history"] == [1, 2, 3, 4, 5]
+    assert got["evaluated"]["eval_prompts"] == 8 and 0 <= got["evaluated"]["eval_reward"] <= 1
 
 
 # A model given as an object, as TRL scripts load one: trained in place, with its reference a copy

@@ -77,9 +77,7 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
     the prompts of `dataset`, with the transformers engine in this process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tandem.engines.engine import TransformersEngine, eos_token_ids
     from tandem.trainer.config import TrainConfig
-    from tandem.trainer.setup import PromptOptions, load_prompts
     from tandem.trainer.sharding import is_sharded, load_model
 
     config = TrainConfig(model_name_or_path=model, dataset_name=dataset, reward_funcs=reward_funcs, reward_weights=reward_weights,
@@ -97,13 +95,22 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
     tokenizer = AutoTokenizer.from_pretrained(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    options = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length, {})
-    table, _ = load_prompts(dataset, tokenizer, options, getattr(lm.config, "max_position_embeddings", None))
-    engine = TransformersEngine(lm.eval(), eos_token_ids(tokenizer, lm.generation_config, model), tokenizer.pad_token_id, tokenizer=tokenizer)
     try:
-        return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, seed, pass_threshold)
+        return evaluate_model(lm, tokenizer, dataset, reward_fns, config, num_generations, greedy, pass_threshold)
     finally:
         rewards_lib.close_rewards(reward_fns)
+
+
+def evaluate_model(lm, tokenizer, dataset, reward_fns, config, num_generations: int, greedy: bool, pass_threshold: float) -> dict:
+    """eval/* of the model `lm` on the prompts of `dataset` (a name or a data.GivenDataset), with
+    the transformers engine in this process and the config's sampling, prompt options and seed."""
+    from tandem.engines.engine import TransformersEngine, eos_token_ids
+    from tandem.trainer.setup import PromptOptions, load_prompts
+
+    options = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length, {})
+    table, _ = load_prompts(dataset, tokenizer, options, getattr(lm.config, "max_position_embeddings", None))
+    engine = TransformersEngine(lm, eos_token_ids(tokenizer, lm.generation_config, config.model_name_or_path), tokenizer.pad_token_id, tokenizer=tokenizer)
+    return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, config.seed, pass_threshold)
 
 
 class Evaluator:

@@ -99,7 +99,7 @@ def run_loop(run: Run) -> dict:
                 if results is not None:
                     run.log.evaluation(state.step, results, len(run.evaluator.table.prompt_ids))
             if _crossed(before, state.step, s.save_steps):
-                run.checkpointer.save_collective(state)  # at the end of the round that crossed a multiple of save_steps
+                _save_collective(run)  # at the end of the round that crossed a multiple of save_steps
                 saved_at = state.step
     except FAILURES as exc:
         advice = after_failure(run, exc, saved_at)
@@ -110,10 +110,15 @@ def run_loop(run: Run) -> dict:
         sigterm.restore()
         run.log.close_bar()
     if saved_at != state.step:
-        run.checkpointer.save_collective(state)
+        _save_collective(run)
     if last and run.dist.is_main and (nothing := idle.at_end(last)):
         print(f"tandem: WARNING: {nothing}", file=sys.stderr, flush=True)
     return last
+
+
+def _save_collective(run: Run) -> None:
+    run.checkpointer.save_collective(run.state)
+    run.log.saved(run.state.step)
 
 
 def train_round(run: Run, idle: IdleSteps, agents: AgentFailures | None) -> dict:
@@ -133,6 +138,7 @@ def train_round(run: Run, idle: IdleSteps, agents: AgentFailures | None) -> dict
     for it, order in enumerate(batch.orders):
         for opt_step in range(s.steps_per_pass):
             t_train = time.perf_counter()
+            run.log.step_begin()
             micro = _micro_batches(s, order, opt_step)
             norm = Normalisation(max_completion_length=s.max_completion_length, grad_accum=len(micro),
                                  step_tokens=float(batch.step_tokens[it, opt_step]), world_size=run.dist.world)  # fmt: skip

@@ -336,8 +336,16 @@ def _markdown_cell(v) -> str:
 class Listener(Protocol):
     """What follows a run's records as they are logged, on every rank (the Python API's callbacks)."""
 
+    def step_begin(self) -> None:
+        """An optimizer step is about to begin."""
+        ...
+
     def step(self, record: dict) -> bool:
         """A step's metrics.jsonl line; True asks the run to stop at the end of the round."""
+        ...
+
+    def saved(self, step: int) -> None:
+        """The checkpoint of `step` is written."""
         ...
 
     def evaluation(self, step: int, results: dict) -> None:
@@ -363,6 +371,14 @@ class RunLog:
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=self.max_steps, initial=step, desc="tandem", disable=not self.show_bar, dynamic_ncols=True)
+
+    def step_begin(self) -> None:
+        for listener in self.listeners:
+            listener.step_begin()
+
+    def saved(self, step: int) -> None:
+        for listener in self.listeners:
+            listener.saved(step)
 
     def step(self, record: dict) -> None:
         for listener in self.listeners:
