@@ -70,8 +70,7 @@ class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, args: TrainConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None, peft_config=None,
                  tools=None, rollout_func=None, environment_factory=None):  # fmt: skip
-        _refuse_objects(reward_processing_classes=reward_processing_classes, optimizers=optimizers, quantization_config=quantization_config,
-                        tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)  # fmt: skip
+        _refuse_objects(reward_processing_classes=reward_processing_classes, optimizers=optimizers, quantization_config=quantization_config)
         name, self._model = (str(model), None) if isinstance(model, (str, os.PathLike)) else (_model_name(model, processing_class), model)
         args = args if args is not None else self.config_class(f"{name.rstrip('/').split('/')[-1]}-GRPO")
         if not isinstance(args, TrainConfig):
@@ -88,6 +87,7 @@ class GRPOTrainer:
         self._eval, args.eval_dataset = _dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else (None, args.eval_dataset)
         if peft_config is not None:
             _apply_peft(args, peft_config)
+        self._objects = _turn_objects(args, tools, environment_factory, rollout_func)
         args.validate()
         self.model, self.processing_class = self._model, processing_class  # the trained model and its tokenizer, after train()
         self._trained = False
@@ -114,7 +114,7 @@ class GRPOTrainer:
 
         if resume_from_checkpoint:
             self.args.resume_from_checkpoint = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
-        run = build(self.args, Given(self._rewards, self._train, self._eval, (self.callbacks,), self._model, self.processing_class))
+        run = build(self.args, Given(self._rewards, self._train, self._eval, (self.callbacks,), self._model, self.processing_class, self._objects))
         try:
             self.callbacks.begin(run.state.step, run.dist.is_main)
             last = run_loop(run)
@@ -178,13 +178,43 @@ def _refuse_objects(**given) -> None:
         "reward_processing_classes": "reward models load their own tokenizers: leave it out",
         "optimizers": "tandem trains with AdamW (optim, learning_rate, lr_scheduler_type)",
         "quantization_config": "quantized training is not built: train in bf16, or LoRA (peft_config)",
-        "tools": "give GRPOConfig(tools=['file.py:fn', ...])",
-        "rollout_func": "give GRPOConfig(rollout_func='file.py:fn')",
-        "environment_factory": "give GRPOConfig(environment_factory='file.py:Class')",
     }
     for name, value in given.items():
         if value is not None and value != (None, None) and value != []:
             raise ConfigError(f"GRPOTrainer({name}=...) is not taken by tandem: {instead[name]}")
+
+
+def _turn_objects(args: TrainConfig, tools, environment_factory, rollout_func) -> dict:
+    """TRL's tools (functions with type hints and a docstring), environment_factory (a class, or a
+    callable making one environment) and rollout_func given as objects: into the config as
+    loading.GIVEN specs (saved and printed so), the objects by spec for the run."""
+    from tandem.aio import is_async
+    from tandem.loading import GIVEN
+
+    objects = {}
+
+    def given(obj, argument: str) -> str:
+        if isinstance(obj, str):
+            return obj  # tandem's spec
+        if not callable(obj):
+            raise ConfigError(f"GRPOTrainer({argument}=...) takes functions (or for environment_factory a class), not a {type(obj).__name__}")
+        spec = f"{GIVEN}{getattr(obj, '__name__', type(obj).__name__)}"
+        if spec in objects:
+            raise ConfigError(f"GRPOTrainer({argument}=...): two objects named {spec.removeprefix(GIVEN)!r}; tool calls name them")
+        objects[spec] = obj
+        return spec
+
+    if tools:
+        args.tools = [*args.tools, *(given(t, "tools") for t in tools)]
+    if environment_factory is not None:
+        args.environment_factory = given(environment_factory, "environment_factory")
+    if rollout_func is not None:
+        if not isinstance(rollout_func, str) and not is_async(rollout_func):
+            raise ConfigError("GRPOTrainer(rollout_func=...): TRL's rollout_func(prompts, trainer) drives vLLM through the trainer, which "
+                              "tandem does not expose; give an async def fn(prompt, generate, tokenizer) that awaits generate(token_ids) for "
+                              "the engine's tokens (docs/multi-turn.md)")  # fmt: skip
+        args.rollout_func = given(rollout_func, "rollout_func")
+    return objects
 
 
 def _is_peft(model) -> bool:

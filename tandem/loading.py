@@ -8,8 +8,16 @@ from pathlib import Path
 _FILE_MODULES: dict[Path, object] = {}
 
 
-def load_object(spec: str, option: str, kind: str = "function"):
-    """The object `spec` names; `option` (e.g. "reward_funcs entry") and `kind` word the errors."""
+GIVEN = "object:"  # the spec of an object the Python API was given (GRPOTrainer's tools=...), held by the run, not loadable
+
+
+def load_object(spec: str, option: str, kind: str = "function", given: dict | None = None):
+    """The object `spec` names (or `given` holds, for an object spec); `option` (e.g. "reward_funcs
+    entry") and `kind` word the errors."""
+    if spec.startswith(GIVEN):
+        if spec not in (given or {}):
+            raise ValueError(f"{option} {spec!r} was given to GRPOTrainer as an object: give it there again, or here as 'path/to/file.py:{kind}'")
+        return given[spec]
     if ":" not in spec:
         raise ValueError(f"{option} {spec!r} is not of the form 'path/to/file.py:{kind}' or 'package.module:{kind}'")
     where, name = spec.rsplit(":", 1)

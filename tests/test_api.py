@@ -212,6 +212,51 @@ def test_a_model_object_trains_in_place_as_its_name_does_and_a_peft_model_trains
                    "adapters_moved": True, "base_kept": True}  # fmt: skip
 
 
+def multiply(a: int, b: int) -> int:
+    """Multiplies two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a * b
+
+
+class Counter:
+    """TRL's environment_factory: reset(**row) per trajectory, its public methods tools, get_reward()."""
+
+    def reset(self, **row):
+        self.answer = row["answer"]
+
+    def add(self, a: int, b: int) -> int:
+        """Adds two numbers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(len(self.answer))
+
+
+def test_tools_and_an_environment_factory_given_as_objects_run_their_turns(tiny_model, tmp_path):
+    rows = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1) * (a % 2 + 1)} for a in range(8)])
+    args = GRPOConfig(str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, disable_tqdm=True)
+    trainer = GRPOTrainer(str(tiny_model), reward_funcs="environment", args=args, train_dataset=rows, tools=[multiply], environment_factory=Counter)
+    trainer.train()
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "- object:multiply" in saved and "environment_factory: object:Counter" in saved  # said so, never a path that does not load
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"tools/multiply/call_frequency", "tools/add/call_frequency"} <= set(metrics[0])
+    # each trajectory's own environment, reset with its row: a reward of its answer's length, 1 or 2
+    assert {c["rewards/environment"] for c in map(json.loads, (tmp_path / "completions.jsonl").read_text().splitlines())} <= {1.0, 2.0}
+    assert 1.0 < metrics[0]["rewards/environment/mean"] < 2.0
+    with pytest.raises(ConfigError, match="TRL's rollout_func\\(prompts, trainer\\) drives vLLM through the trainer"):
+        GRPOTrainer(str(tiny_model), reward_funcs=_reward, args=GRPOConfig(str(tmp_path / "f")), train_dataset=_rows(), rollout_func=lambda prompts, trainer: {})
+
+
 def _rows(n=4):
     return datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}] * n)
 

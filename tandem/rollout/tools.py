@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from tandem.aio import DaemonPool, user_loop
-from tandem.loading import load_object
+from tandem.loading import GIVEN, load_object
 
 INVALID_CALL = "invalid_call"  # the name failures of unparseable calls are counted under
 UNKNOWN_TOOL = "unknown_tool"  # ... and of calls to a tool that does not exist
@@ -100,10 +100,11 @@ def _format_number(value) -> str:
     return str(value)
 
 
-def load_tools(specs: list[str]) -> list[Tool]:
-    """Built-in names (calculator) or "path/file.py:fn" / "module:fn"."""
-    tools = [replace(make_tool(BUILTIN_TOOLS[s] if s in BUILTIN_TOOLS else load_object(s, "tools entry"), f"tools entry {s!r}"), spec=s)
-             for s in specs]  # fmt: skip
+def load_tools(specs: list[str], given: dict | None = None) -> list[Tool]:
+    """Built-in names (calculator), "path/file.py:fn" / "module:fn", or objects the Python API was
+    given (loading.GIVEN specs, held in `given`: they run in this process, never in tool workers)."""
+    tools = [replace(make_tool(BUILTIN_TOOLS[s] if s in BUILTIN_TOOLS else load_object(s, "tools entry", given=given), f"tools entry {s!r}"),
+                     spec=None if s.startswith(GIVEN) else s) for s in specs]  # fmt: skip
     _check_unique(tools, "tools")
     return tools
 

@@ -24,7 +24,7 @@ import math
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -143,6 +143,7 @@ class Given:
     listeners: tuple = ()  # metrics.Listener: callbacks
     model: object = None
     tokenizer: object = None
+    objects: dict = field(default_factory=dict)  # loading.GIVEN spec -> the tool, environment_factory or rollout_func given
 
 
 def build(config: TrainConfig, given: Given = Given()) -> Run:
@@ -179,7 +180,7 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None, given: Giv
     # turns, go on until every process's are done.
     lockstep = plan is not None and config.rollout_mode == "colocate"
     turns_done = (lambda done: dist.all_collective(done, "trajectories done (sharded turns)")) if lockstep else None
-    rollouts, template_kwargs, tool_names = _turns(config, tokenizer, turns_done, max_len)
+    rollouts, template_kwargs, tool_names = _turns(config, tokenizer, turns_done, max_len, given.objects)
     prompts = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length,
                             template_kwargs)  # fmt: skip
     table, skipped = load_prompts(given.train_dataset or config.dataset_name, tokenizer, prompts, max_len, (config.dataset_sample, config.seed))
@@ -419,11 +420,12 @@ def _servers(config: TrainConfig, dist: Dist, learner: Learner, state: TrainStat
     return servers, pushes, push_collective
 
 
-def _turns(config: TrainConfig, tokenizer, all_done, max_len: int | None) -> tuple[Rollouts, dict, list[str] | None]:
+def _turns(config: TrainConfig, tokenizer, all_done, max_len: int | None, given: dict) -> tuple[Rollouts, dict, list[str] | None]:
     """How prompts become trajectories, the chat template's arguments (the tools' schemas
     included), and the names multi-turn metrics count tool calls under (None: one turn).
     `all_done`: a sharded colocated engine's lockstep across processes (MultiTurn's); `max_len`:
-    the model's context, which bounds an agent's prompts."""
+    the model's context, which bounds an agent's prompts; `given`: the objects the Python API
+    was given by loading.GIVEN spec."""
     template_kwargs = dict(config.chat_template_kwargs or {})
     if not config.multi_turn():
         return SingleTurn(config.max_completion_length), template_kwargs, None
@@ -431,15 +433,15 @@ def _turns(config: TrainConfig, tokenizer, all_done, max_len: int | None) -> tup
         return _agents(config, tokenizer, template_kwargs, max_len), template_kwargs, []
     if config.rollout_func:
         try:
-            fn = load_object(config.rollout_func, "rollout_func")
+            fn = load_object(config.rollout_func, "rollout_func", given=given)
         except (ValueError, OSError, ImportError) as exc:
             raise ConfigError(str(exc)) from exc
         if not inspect.iscoroutinefunction(fn):
             raise ConfigError(f"rollout_func {config.rollout_func!r} must be an async def fn(prompt, generate, tokenizer): it awaits generate(token_ids)")
         return RolloutFunction(fn, config.rollout_func, tokenizer, config.max_completion_length), template_kwargs, []
     try:
-        tools = load_tools(config.tools)
-        factory = load_object(config.environment_factory, "environment_factory", "class") if config.environment_factory else None
+        tools = load_tools(config.tools, given)
+        factory = load_object(config.environment_factory, "environment_factory", "class", given) if config.environment_factory else None
         env_tools = environment_tools(factory()) if factory else []  # the schemas of an environment's methods, from one instance
         every_tool = tools + env_tools
     except (ValueError, OSError, ImportError) as exc:
