@@ -139,17 +139,21 @@ class GRPOTrainer:
         from tandem.trainer.eval import evaluate_model
         from tandem.trainer.setup import load_tokenizer, model_load_kwargs
 
+        from tandem.trainer.eval import prefix
+
         source = _dataset(eval_dataset, "eval_dataset")[0] if eval_dataset is not None else self._eval or self.args.eval_dataset
         if not source:
             raise ConfigError("GRPOTrainer.evaluate(): give eval_dataset, to it or to GRPOTrainer")
+        sources = source if isinstance(source, dict) else {"": source}
         if self.args.fsdp and self.model is not None and self._trained:
             raise ConfigError("GRPOTrainer.evaluate() after a sharded (fsdp) run: evaluate during training (eval_dataset, eval_steps), "
                               "or `tandem eval` on its checkpoint")  # fmt: skip
         a = self.args
         lm = self.model or AutoModelForCausalLM.from_pretrained(a.model_name_or_path, **model_load_kwargs(a.model_init_kwargs, a.trust_remote_code))
         tokenizer = self.processing_class or load_tokenizer(a.model_name_or_path, a.trust_remote_code)[0]
-        results = evaluate_model(lm, tokenizer, source, self._rewards, a, a.eval_num_generations, a.eval_greedy, a.eval_pass_threshold)
-        out = {f"{metric_key_prefix}_{k.removeprefix('eval/')}": v for k, v in results.items() if k.removeprefix("eval/") not in (ignore_keys or [])}
+        results = {k: v for name, data in sources.items() for k, v in evaluate_model(lm, tokenizer, data, self._rewards, a, a.eval_num_generations,
+                                                                                  a.eval_greedy, a.eval_pass_threshold, prefix(name)).items()}  # fmt: skip
+        out = {metric_key_prefix + k.removeprefix("eval"): v for k, v in _trl_keys(results).items() if k.split("_", 1)[-1] not in (ignore_keys or [])}
         self.state.log_history.append({**out, "step": self.state.global_step})
         self.callbacks.evaluation(self.state.global_step, out)
         return out
@@ -246,14 +250,23 @@ def _rewards(reward_funcs, args: TrainConfig) -> list:
     return args.load_rewards([str(f) if isinstance(f, (str, os.PathLike)) else f for f in funcs])
 
 
+def _trl_keys(results: dict) -> dict:
+    """eval/* metrics under TRL's names: eval/reward as eval_reward, eval_NAME/reward as eval_NAME_reward."""
+    return {k.replace("/", "_", 1) if k.startswith("eval") else k: v for k, v in results.items()}
+
+
 def _dataset(ds, argument: str):
-    """(GivenDataset, its name for messages) of a datasets.Dataset."""
+    """(GivenDataset, its name for messages) of a datasets.Dataset; for eval_dataset, of each of a
+    dict of them too ({name: GivenDataset}), as TRL evaluates each under its name."""
     import datasets
 
     from tandem.data.datasets import GivenDataset
 
     if ds is None:
         raise ConfigError(f"GRPOTrainer({argument}=...): give a datasets.Dataset with a 'prompt' column")
+    if argument == "eval_dataset" and isinstance(ds, dict) and not isinstance(ds, datasets.DatasetDict):
+        given = {str(name): _dataset(d, f"eval_dataset[{name!r}]")[0] for name, d in ds.items()}
+        return given, f"eval_dataset ({', '.join(f'{name}: {d.rows.num_rows} rows' for name, d in given.items())})"
     if isinstance(ds, (datasets.DatasetDict, dict)):
         raise ConfigError(f"GRPOTrainer({argument}=...) is a DatasetDict of splits {list(ds)}: give one, e.g. {argument}=ds['train']")
     if isinstance(ds, datasets.IterableDataset):
@@ -317,7 +330,7 @@ class _Callbacks:
 
     def evaluation(self, step: int, results: dict) -> None:
         """`results` under TRL's names: eval/reward as eval_reward."""
-        self._tell("on_evaluate", metrics={k.replace("eval/", "eval_", 1) if k.startswith("eval/") else k: v for k, v in results.items()})
+        self._tell("on_evaluate", metrics=_trl_keys(results))
 
     def end(self, metrics_file: Path) -> None:
         """The run is over: log_history becomes every line of metrics.jsonl (a resumed run's

@@ -113,7 +113,7 @@ class StopAtThree(TrainerCallback):
         self.events.append(["save", state.global_step])
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        self.events.append(["evaluate", sorted(k for k in metrics if k in ("eval_reward", "eval_pass@1"))])
+        self.events.append(["evaluate", sorted(k for k in metrics if k.endswith("reward"))])
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.events.append(["begin", state.global_step, state.max_steps])
@@ -131,7 +131,8 @@ dataset = Dataset.from_list([{"prompt": f"{a}+1=", "answer": str(a + 1)} for a i
 options = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=4, save_steps=2, disable_tqdm=True)
 first = GRPOTrainer(model, reward_funcs="exact_match", args=GRPOConfig(out, max_steps=8, **options), train_dataset=dataset, callbacks=[StopAtThree])
 stopped = first.train()
-again = GRPOTrainer(model, reward_funcs="exact_match", args=GRPOConfig(out, max_steps=5, **options), train_dataset=dataset)
+again = GRPOTrainer(model, reward_funcs="exact_match", args=GRPOConfig(out, max_steps=5, eval_steps=2, **options), train_dataset=dataset,
+                    eval_dataset={"all": dataset, "few": dataset.select(range(2))})
 again.add_callback(StopAtThree)
 resumed = again.train(resume_from_checkpoint=True)
 history = [r["step"] for r in again.state.log_history]
@@ -151,9 +152,13 @@ def test_a_callback_stops_the_run_with_a_checkpoint_and_train_resumes_it(tiny_mo
     assert got["stopped"] == 3 and got["first"] == [["init"], ["begin", 0, 8], ["step", 0], ["log", 1, 1], ["step", 1], ["log", 2, 2], ["save", 2],
                                                    ["step", 2], ["log", 3, 3], ["save", 3], ["end", 3]]  # fmt: skip
     assert (tmp_path / "run" / "checkpoint-3").is_dir()  # the stop saved what it trained (save_steps 2 had saved step 2)
-    # added after construction: no on_init_end; then evaluate() after the run, TRL's keys
-    assert got["resumed"] == 5 and got["again"] == [["begin", 3, 5], ["step", 3], ["log", 4, 4], ["save", 4], ["step", 4], ["log", 5, 5],
-                                                    ["save", 5], ["end", 5], ["evaluate", ["eval_pass@1", "eval_reward"]]]  # fmt: skip
+    # added after construction: no on_init_end; two eval datasets by name each eval_steps and at the
+    # end, then evaluate() after the run on one, TRL's keys
+    during = ["evaluate", ["eval_all_reward", "eval_few_reward"]]
+    assert got["resumed"] == 5 and got["again"] == [["begin", 3, 5], ["step", 3], ["log", 4, 4], during, ["save", 4], ["step", 4], ["log", 5, 5],
+                                                    during, ["save", 5], ["end", 5], ["evaluate", ["eval_reward"]]]  # fmt: skip
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["eval_all/prompts"], e["eval_few/prompts"]) for e in evals] == [(4, 8, 2), (5, 8, 2)]
     assert got["history"] == [1, 2, 3, 4, 5]
     assert got["evaluated"]["eval_prompts"] == 8 and 0 <= got["evaluated"]["eval_reward"] <= 1
 

@@ -187,8 +187,9 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None, given: Giv
     if isinstance(rollouts, MultiTurn) and not all(table.conversational):
         raise ConfigError(f"tools and environment_factory need chat prompts (lists of messages) to render turns with the chat template; "
                           f"{config.dataset_name} has plain-text prompts")  # fmt: skip
-    eval_source = given.eval_dataset or config.eval_dataset
-    eval_table = load_prompts(eval_source, tokenizer, prompts, max_len)[0] if eval_source else None
+    # the Python API's eval_dataset may be a dict of them, each evaluated under its name
+    eval_sources = given.eval_dataset if isinstance(given.eval_dataset, dict) else {"": given.eval_dataset or config.eval_dataset}
+    eval_tables = {name: load_prompts(source, tokenizer, prompts, max_len)[0] for name, source in eval_sources.items() if source}
     if skipped and dist.is_main:
         print(f"tandem: skipped {skipped} prompts longer than max_prompt_length={config.max_prompt_length}")
     if config.max_steps < 1:  # from num_train_epochs, now that the prompts are counted
@@ -230,11 +231,11 @@ def _build(config: TrainConfig, dist: Dist, bf16_warning: str | None, given: Giv
         producer.set_live_version(state.version)
         last_step = config.max_steps
         sync = WeightSync(engine, producer, dist, push, config.max_staleness if config.async_generate else None, last_step)
-        log = metrics.RunLog(out, dist.accelerator, dist.is_main, eval_table is not None, config.num_completions_to_log, last_step, not config.disable_tqdm,
+        log = metrics.RunLog(out, dist.accelerator, dist.is_main, bool(eval_tables), config.num_completions_to_log, last_step, not config.disable_tqdm,
                              given.listeners)  # fmt: skip
         evaluator = None
-        if eval_table is not None:
-            evaluator = Evaluator(engine, tokenizer, eval_table, reward_fns, config.sampling_params(), config.eval_num_generations, config.eval_greedy,
+        if eval_tables:
+            evaluator = Evaluator(engine, tokenizer, eval_tables, reward_fns, config.sampling_params(), config.eval_num_generations, config.eval_greedy,
                                   config.seed, config.eval_pass_threshold, dist, every_rank=plan is not None and servers is None, rollouts=rollouts)  # fmt: skip
         undo.pop_all()
     return Run(_schedule(config, tool_names), dist, state, learner, producer, sync, checkpointer, log, evaluator, tokenizer, reward_fns, skipped, servers, pushes)

@@ -32,9 +32,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(engine, tokenizer, table: PromptTable, reward_fns, params: SamplingParams, num_generations: int, greedy: bool,
-             seed: int, pass_threshold: float, min_version: int = 0, rollouts: Rollouts | None = None) -> dict:  # fmt: skip
-    """eval/* metrics of `engine` on every prompt of `table`: num_generations completions each
-    with `params`, or with `greedy` one from greedy decoding (top_k 1 draws the likeliest token)."""
+             seed: int, pass_threshold: float, min_version: int = 0, rollouts: Rollouts | None = None, prefix: str = "eval") -> dict:  # fmt: skip
+    """eval/* metrics (under `prefix`: eval_NAME/* for one of several datasets) of `engine` on every
+    prompt of `table`: num_generations completions each with `params`, or with `greedy` one from
+    greedy decoding (top_k 1 draws the likeliest token)."""
     t = time.perf_counter()
     G = 1 if greedy else num_generations
     params = replace(params, top_k=1) if greedy else params
@@ -45,17 +46,17 @@ def evaluate(engine, tokenizer, table: PromptTable, reward_fns, params: Sampling
     scores = score_rollouts(table, tokenizer, reward_fns, params.max_tokens, rollouts)[0]  # (N, F)
     reward = rewards_lib.combine(scores, [r.weight for r in reward_fns])  # (N,)
     passed = (reward >= pass_threshold).reshape(-1, G).sum(1).tolist()  # per prompt
-    out = {"eval/reward": reward.nanmean().item()}  # a completion no function had an opinion on is left out (and fails)
+    out = {"reward": reward.nanmean().item()}  # a completion no function had an opinion on is left out (and fails)
     for j, fn in enumerate(reward_fns):
-        out[f"eval/rewards/{fn.name}/mean"] = scores[:, j].nanmean().item()
+        out[f"rewards/{fn.name}/mean"] = scores[:, j].nanmean().item()
     for k in sorted({1, G}):
-        out[f"eval/pass@{k}"] = sum(pass_at_k(G, c, k) for c in passed) / len(passed)
+        out[f"pass@{k}"] = sum(pass_at_k(G, c, k) for c in passed) / len(passed)
     lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)  # every token after the prompt
-    out["eval/completions/mean_length"] = lengths.mean().item()
-    out["eval/completions/truncated_ratio"] = sum(o.finish_reason == "length" for o in outs) / len(outs)
-    out["eval/prompts"] = len(table.prompt_ids)
-    out["eval/seconds"] = time.perf_counter() - t
-    return out
+    out["completions/mean_length"] = lengths.mean().item()
+    out["completions/truncated_ratio"] = sum(o.finish_reason == "length" for o in outs) / len(outs)
+    out["prompts"] = len(table.prompt_ids)
+    out["seconds"] = time.perf_counter() - t
+    return {f"{prefix}/{k}": v for k, v in out.items()}
 
 
 def format_table(results: dict) -> str:
@@ -101,26 +102,34 @@ def run_eval(model: str, dataset: str, reward_funcs: list[str], reward_weights: 
         rewards_lib.close_rewards(reward_fns)
 
 
-def evaluate_model(lm, tokenizer, dataset, reward_fns, config, num_generations: int, greedy: bool, pass_threshold: float) -> dict:
-    """eval/* of the model `lm` on the prompts of `dataset` (a name or a data.GivenDataset), with
-    the transformers engine in this process and the config's sampling, prompt options and seed."""
+def evaluate_model(lm, tokenizer, dataset, reward_fns, config, num_generations: int, greedy: bool, pass_threshold: float, prefix: str = "eval") -> dict:
+    """eval/* (under `prefix`) of the model `lm` on the prompts of `dataset` (a name or a
+    data.GivenDataset), with the transformers engine in this process and the config's sampling,
+    prompt options and seed."""
     from tandem.engines.engine import TransformersEngine, eos_token_ids
     from tandem.trainer.setup import PromptOptions, load_prompts
 
     options = PromptOptions(config.dataset_split, config.dataset_config, config.max_prompt_length, config.prompt_truncation, config.max_completion_length, {})
     table, _ = load_prompts(dataset, tokenizer, options, getattr(lm.config, "max_position_embeddings", None))
     engine = TransformersEngine(lm, eos_token_ids(tokenizer, lm.generation_config, config.model_name_or_path), tokenizer.pad_token_id, tokenizer=tokenizer)
-    return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, config.seed, pass_threshold)
+    return evaluate(engine, tokenizer, table, reward_fns, config.sampling_params(), num_generations, greedy, config.seed, pass_threshold, prefix=prefix)
+
+
+def prefix(name: str) -> str:
+    """The metrics' prefix of an eval dataset: eval, or with several, eval_NAME (TRL's eval_NAME_*)."""
+    return f"eval_{name}" if name else "eval"
 
 
 class Evaluator:
     """Evaluation during training: eval/* of the run's engine with the weights live between two
-    rounds. Rank 0 evaluates; with a sharded colocated engine every rank does (each of its
+    rounds, on each eval dataset (`tables`: by name; one unnamed, or several named, each under
+    eval_NAME/*). Rank 0 evaluates; with a sharded colocated engine every rank does (each of its
     forwards is a collective)."""
 
-    def __init__(self, engine, tokenizer, table: PromptTable, reward_fns, params: SamplingParams, num_generations: int, greedy: bool,
+    def __init__(self, engine, tokenizer, tables: dict[str, PromptTable], reward_fns, params: SamplingParams, num_generations: int, greedy: bool,
                  seed: int, pass_threshold: float, dist, every_rank: bool, rollouts: Rollouts | None = None):  # fmt: skip
-        self.engine, self.tokenizer, self.table, self.reward_fns, self.params = engine, tokenizer, table, reward_fns, params
+        self.engine, self.tokenizer, self.tables, self.reward_fns, self.params = engine, tokenizer, tables, reward_fns, params
+        self.prompts = sum(len(t.prompt_ids) for t in tables.values())
         self.num_generations, self.greedy, self.seed, self.pass_threshold = num_generations, greedy, seed, pass_threshold
         self.dist, self.every_rank, self.rollouts = dist, every_rank, rollouts
 
@@ -132,8 +141,9 @@ class Evaluator:
             if self.every_rank:
                 self.dist.enter("evaluation (sharded engine)")
             with self.dist.accelerator.autocast():
-                return evaluate(self.engine, self.tokenizer, self.table, self.reward_fns, self.params, self.num_generations, self.greedy,
-                                self.seed, self.pass_threshold, min_version=version, rollouts=self.rollouts)  # fmt: skip
+                return {k: v for name, table in self.tables.items()
+                        for k, v in evaluate(self.engine, self.tokenizer, table, self.reward_fns, self.params, self.num_generations, self.greedy,
+                                             self.seed, self.pass_threshold, min_version=version, rollouts=self.rollouts, prefix=prefix(name)).items()}  # fmt: skip
 
         results = together_collective(self.dist, "evaluation", run)  # a server that fails rank 0's stops every rank
         return results if self.dist.is_main else None

@@ -97,7 +97,7 @@ def run_loop(run: Run) -> dict:
             if run.evaluator is not None and (state.step >= s.max_steps or _crossed(before, state.step, s.eval_steps)):
                 results = run.evaluator.run_collective(state.version)
                 if results is not None:
-                    run.log.evaluation(state.step, results, len(run.evaluator.table.prompt_ids))
+                    run.log.evaluation(state.step, results, run.evaluator.prompts)
             if _crossed(before, state.step, s.save_steps):
                 _save_collective(run)  # at the end of the round that crossed a multiple of save_steps
                 saved_at = state.step

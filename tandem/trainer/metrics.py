@@ -405,7 +405,7 @@ class RunLog:
             listener.evaluation(step, results)
         self.evals.write({"step": step, **results})
         self.accelerator.log(results, step=step)
-        shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in results.items() if k == "eval/reward" or k.startswith("eval/pass@"))
+        shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in results.items() if k.endswith("/reward") or "/pass@" in k)
         print(f"tandem: step {step} eval on {prompts} prompts: {shown}", flush=True)
 
     def close_bar(self) -> None:
