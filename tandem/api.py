@@ -83,7 +83,7 @@ class GRPOTrainer:
             _apply_peft(args, model.peft_config[model.active_adapter])
         self._rewards = _rewards(reward_funcs, args)
         args.reward_funcs = [r.name for r in self._rewards]
-        self._train, args.dataset_name = _dataset(train_dataset, "train_dataset")
+        self._train, args.dataset_name = _dataset(_taken(train_dataset, args), "train_dataset")
         self._eval, args.eval_dataset = _dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else (None, args.eval_dataset)
         if peft_config is not None:
             _apply_peft(args, peft_config)
@@ -248,6 +248,25 @@ def _rewards(reward_funcs, args: TrainConfig) -> list:
     if not funcs:
         raise ConfigError("GRPOTrainer(reward_funcs=...): give at least one reward function")
     return args.load_rewards([str(f) if isinstance(f, (str, os.PathLike)) else f for f in funcs])
+
+
+def _taken(ds, args: TrainConfig):
+    """A train_dataset that is an IterableDataset (a stream), as TRL takes one: with max_steps (it
+    has no length to count epochs by), its first rows, as many as max_steps' rounds use, read once
+    into a Dataset. Its other kinds as they are."""
+    import datasets
+
+    if not isinstance(ds, datasets.IterableDataset):
+        return ds
+    if args.max_steps < 1:
+        raise ConfigError("GRPOTrainer(train_dataset=IterableDataset): give max_steps (a stream has no length to count num_train_epochs by), "
+                          "as TRL needs")  # fmt: skip
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rounds = math.ceil(args.max_steps / args.steps_per_round())
+    rows = list(ds.take(max(1, rounds * args.completions_per_round() * world // args.num_generations)))
+    if not rows:
+        raise ConfigError("GRPOTrainer(train_dataset=IterableDataset): the stream gave no rows")
+    return datasets.Dataset.from_list(rows)
 
 
 def _trl_keys(results: dict) -> dict:

@@ -280,12 +280,17 @@ def test_trl_names_resolve_and_what_tandem_cannot_honour_is_refused_at_construct
         GRPOConfig(learnig_rate=1e-4)
     trainer = GRPOTrainer(str(tiny_model), reward_funcs=[_reward, "exact_match"], args=GRPOConfig(str(tmp_path)), train_dataset=_rows())
     assert trainer.args.reward_funcs == ["_reward", "exact_match"] and trainer.args.dataset_name == "train_dataset (4 rows)"
+    # a stream, with max_steps: its first rows, as many as the steps' rounds use (3 rounds of 2 prompts)
+    stream = datasets.IterableDataset.from_generator(lambda: ({"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(100)))
+    streamed = GRPOTrainer(str(tiny_model), reward_funcs=_reward, args=GRPOConfig(str(tmp_path), max_steps=3, num_generations=4), train_dataset=stream)
+    assert streamed._train.rows["prompt"] == ["0+1=", "1+1=", "2+1=", "3+1=", "4+1=", "5+1="]
     refused = [
         (dict(model=torch.nn.Linear(1, 1)), "takes a hub name, a model folder, a transformers PreTrainedModel or a peft PeftModel, not a Linear"),
         (dict(train_dataset=datasets.DatasetDict(train=_rows())), r"is a DatasetDict of splits \['train'\]: give one"),
         (dict(optimizers=(object(), None)), "tandem trains with AdamW"),
         (dict(quantization_config=object()), "quantized training is not built"),
         (dict(reward_funcs=[]), "give at least one reward function"),
+        (dict(train_dataset=datasets.IterableDataset.from_generator(lambda: iter([{"prompt": "1+1="}]))), "give max_steps .a stream has no length"),
         (dict(reward_funcs=[_reward, _reward]), "two functions of the same name"),
         (dict(reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=GRPOConfig(str(tmp_path), reward_num_workers=2)),
          "'<lambda>' cannot reach reward_num_workers=2 worker processes .*or give reward_num_workers 0"),
