@@ -29,6 +29,27 @@ def test_builtins():
     assert length_penalty(None, ["", "", ""], completion_ids=[[0] * 8, [0] * 9, [0] * 10], max_completion_length=10) == [0.0, -0.5, -1.0]
 
 
+def test_trls_reward_functions_have_trls_definitions_and_names():
+    from tandem.rewards import (accuracy_reward, callable_name, get_cosine_scaled_reward, get_repetition_penalty_reward, get_soft_overlong_punishment,
+                                reasoning_accuracy_reward, think_format_reward)  # fmt: skip
+
+    third, half = [{"role": "assistant", "content": r"My answer is \boxed{\frac{1}{3}}"}], [{"role": "assistant", "content": r"\boxed{\frac{1}{2}}"}]
+    logged = {}
+    assert accuracy_reward([third, half, third], [r"\frac{1}{3}", r"\frac{1}{3}", "no math"], log_extra=logged.setdefault) == [1.0, 0.0, None]
+    assert logged["answer_parsed"][2] == "[skipped]" and "solution" in logged
+    assert reasoning_accuracy_reward(["<think>x</think> \\boxed{3}", "\\boxed{3}"], ["3", "3"]) == [1.0, 0.0]  # the second never ended its reasoning
+    assert think_format_reward(["<think>\nreasons\n</think>\nanswer", "<think>\nreasons\nanswer"]) == [1.0, 0.0]
+    # 50 of 100 tokens: cos(pi/2) = 0, so halfway between the bounds: 0.75 right, -0.75 wrong
+    cosine = get_cosine_scaled_reward(max_len=100)
+    assert cosine([third, half], [r"\frac{1}{3}"] * 2, [[1] * 50] * 2) == [0.75, -0.75]
+    # token 3-grams: [1]*6 has 4 of which 1 is unique, 1 - 1/4 = 0.75 repeated
+    assert get_repetition_penalty_reward()(completion_ids=[[1, 2, 3, 4, 5], [1] * 6, [1, 1]]) == [0.0, -0.75, 0.0]
+    # 0 up to 10 - 4 = 6 tokens, then -1 per 4, -1 past 10
+    assert get_soft_overlong_punishment(10, 4)(completion_ids=[[0] * 6, [0] * 8, [0] * 11]) == [0.0, -0.5, -1.0]
+    assert [callable_name(f) for f in (accuracy_reward, cosine, get_soft_overlong_punishment(10, 4))] == ["accuracy_reward", "cosine_scaled_reward",
+                                                                                                         "soft_overlong_punishment_reward"]  # fmt: skip
+
+
 def test_user_function_from_file_and_module(tmp_path, monkeypatch):
     f = tmp_path / "my_rewards.py"
     f.write_text("def shout(prompts, completions, **kw):\n    return [float(c.isupper()) for c in completions]\n")

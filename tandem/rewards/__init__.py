@@ -17,6 +17,8 @@ from tandem.aio import is_async, user_loop
 from tandem.loading import load_object
 from tandem.rewards import model as reward_model
 from tandem.rewards.builtin import BUILTIN_REWARDS, completion_text
+from tandem.rewards.trl import (accuracy_reward, get_cosine_scaled_reward, get_repetition_penalty_reward, get_soft_overlong_punishment,
+                                reasoning_accuracy_reward, think_format_reward)  # fmt: skip
 from tandem.rewards.workers import PooledReward, WorkerPool
 
 RewardFn = Callable[..., list]
@@ -257,5 +259,6 @@ def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
     return torch.where(unknown, torch.full_like(total, math.nan), total)
 
 
-__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "RewardError", "RewardLog", "callable_name", "combine", "completion_text", "close_rewards", "load_reward_fn",
-           "load_rewards", "reward_name", "score", "trl_spec"]
+__all__ = ["BUILTIN_REWARDS", "ON_TIMEOUT", "NamedReward", "RewardError", "RewardLog", "accuracy_reward", "callable_name", "combine", "completion_text",
+           "close_rewards", "get_cosine_scaled_reward", "get_repetition_penalty_reward", "get_soft_overlong_punishment", "load_reward_fn", "load_rewards",
+           "reasoning_accuracy_reward", "reward_name", "score", "think_format_reward", "trl_spec"]  # fmt: skip
