@@ -43,6 +43,8 @@ class GRPOConfig(TrainConfig):
         if output_dir is not None:
             options["output_dir"] = output_dir
         options.setdefault("output_dir", "trainer_output")
+        # The trainer's, not the run's: train() ends with push_to_hub() (the command line has no push)
+        self.push_to_hub, self.hub_model_id = bool(options.pop("push_to_hub", False)), options.pop("hub_model_id", None)
         if "max_steps" not in options and "num_train_epochs" not in options:
             options["num_train_epochs"] = 3.0
         values, resolved = config_values(options, f"in {type(self).__name__}(...)")
@@ -70,7 +72,7 @@ class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, args: TrainConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None, peft_config=None,
                  tools=None, rollout_func=None, environment_factory=None):  # fmt: skip
-        _refuse_objects(reward_processing_classes=reward_processing_classes, optimizers=optimizers, quantization_config=quantization_config)
+        _refuse_objects(optimizers=optimizers, quantization_config=quantization_config)
         name, self._model = (str(model), None) if isinstance(model, (str, os.PathLike)) else (_model_name(model, processing_class), model)
         args = args if args is not None else self.config_class(f"{name.rstrip('/').split('/')[-1]}-GRPO")
         if not isinstance(args, TrainConfig):
@@ -81,7 +83,7 @@ class GRPOTrainer:
             if peft_config is not None:
                 raise ConfigError("GRPOTrainer(model=PeftModel, peft_config=...): the model has its adapters already; give one of the two")
             _apply_peft(args, model.peft_config[model.active_adapter])
-        self._rewards = _rewards(reward_funcs, args)
+        self._rewards = _rewards(reward_funcs, args, reward_processing_classes)
         args.reward_funcs = [r.name for r in self._rewards]
         self._train, args.dataset_name = _dataset(_taken(train_dataset, args), "train_dataset")
         self._eval, args.eval_dataset = _dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else (None, args.eval_dataset)
@@ -90,7 +92,7 @@ class GRPOTrainer:
         self._objects = _turn_objects(args, tools, environment_factory, rollout_func)
         args.validate()
         self.model, self.processing_class = self._model, processing_class  # the trained model and its tokenizer, after train()
-        self._trained = False
+        self._trained, self.accelerator = False, None  # accelerate's Accelerator, once train() has made it
         self.callbacks = _Callbacks(args, list(callbacks or []))
         self.callbacks.init_end()
         self._main = True
@@ -119,11 +121,14 @@ class GRPOTrainer:
             self.callbacks.begin(run.state.step, run.dist.is_main)
             last = run_loop(run)
             self.model, self._main, self.processing_class, self._trained = run.learner.lm, run.dist.is_main, run.tokenizer, True
+            self.accelerator = run.dist.accelerator
         except BaseException:
             run.close(ok=False)
             raise
         run.close()
         self.callbacks.end(Path(self.args.output_dir) / "metrics.jsonl")
+        if getattr(self.args, "push_to_hub", False):
+            self.push_to_hub()
         losses = [r["loss"] for r in self.state.log_history if isinstance(r.get("loss"), (int, float))]
         loss = sum(losses) / len(losses) if losses else math.nan
         metrics = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}  # the last step's
@@ -161,13 +166,32 @@ class GRPOTrainer:
     def save_model(self, output_dir: str | None = None) -> None:
         """The trained model (with LoRA, its adapters) and tokenizer as a folder from_pretrained
         loads, from the main process; output_dir defaults to args.output_dir."""
+        from tandem.trainer.setup import load_tokenizer
+
         if self.model is None:
             raise RuntimeError("save_model: nothing is trained yet; call train() first")
         if self._main:
             out = Path(output_dir or self.args.output_dir)
             self.model.save_pretrained(out)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(out)
+            (self.processing_class or load_tokenizer(self.args.model_name_or_path, self.args.trust_remote_code)[0]).save_pretrained(out)
+
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, private: bool | None = None, **kwargs) -> str:  # fmt: skip
+        """save_model(), then output_dir (its checkpoints left out) to the hub repository
+        args.hub_model_id (default: output_dir's name), made if need be, through huggingface_hub
+        as transformers' Trainer does, from the main process. The URL of the commit (a future
+        where not `blocking`). Checked here against a stand-in of huggingface_hub's HfApi only:
+        this machine reaches no hub."""
+        from huggingface_hub import HfApi
+
+        self.save_model()
+        if not self._main:
+            return ""
+        api = HfApi(token=token)
+        repo_id = api.create_repo(getattr(self.args, "hub_model_id", None) or Path(self.args.output_dir).resolve().name, private=private, exist_ok=True).repo_id
+        return api.upload_folder(repo_id=repo_id, folder_path=self.args.output_dir, commit_message=commit_message, revision=revision,
+                                 ignore_patterns=["checkpoint-*", "checkpoint-*/**", "_*", "latest"], run_as_future=not blocking)  # fmt: skip
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -179,7 +203,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
 def _refuse_objects(**given) -> None:
     """What tandem does not take from a TRL script yet: a config error naming it and the way instead."""
     instead = {
-        "reward_processing_classes": "reward models load their own tokenizers: leave it out",
         "optimizers": "tandem trains with AdamW (optim, learning_rate, lr_scheduler_type)",
         "quantization_config": "quantized training is not built: train in bf16, or LoRA (peft_config)",
     }
@@ -241,13 +264,30 @@ def _model_name(model, processing_class) -> str:
     return name or type(base).__name__
 
 
-def _rewards(reward_funcs, args: TrainConfig) -> list:
+def _rewards(reward_funcs, args: TrainConfig, processing_classes) -> list:
     """The NamedRewards of TRL's reward_funcs, in order: functions as they are, TRL's strings as
-    specs or reward model names (config.load_rewards); args.reward_weights apply in that order."""
-    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs is not None else []
+    specs or reward model names (config.load_rewards), reward models given as objects with their
+    tokenizers (reward_processing_classes, one per entry, else the model's own);
+    args.reward_weights apply in that order."""
+    from transformers import PreTrainedModel
+
+    from tandem.rewards.model import RewardModel
+
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs is not None else []
     if not funcs:
         raise ConfigError("GRPOTrainer(reward_funcs=...): give at least one reward function")
-    return args.load_rewards([str(f) if isinstance(f, (str, os.PathLike)) else f for f in funcs])
+    tokenizers = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes] * len(funcs)
+    if len(tokenizers) != len(funcs):
+        raise ConfigError(f"GRPOTrainer(reward_processing_classes=...): {len(tokenizers)} for {len(funcs)} reward_funcs; give one each (None for a function)")
+    for i, (f, tokenizer) in enumerate(zip(funcs, tokenizers)):
+        if isinstance(f, PreTrainedModel):
+            name = f.config._name_or_path or type(f).__name__
+            if tokenizer is None and not f.config._name_or_path:
+                raise ConfigError(f"reward_funcs[{i}] is a {type(f).__name__} not loaded from a folder or the hub: give its tokenizer in reward_processing_classes")
+            funcs[i] = RewardModel(name, args.reward_model_device, batch_size=args.reward_model_batch_size, model=f, tokenizer=tokenizer)
+        elif isinstance(f, (str, os.PathLike)):
+            funcs[i] = str(f)
+    return args.load_rewards(funcs)
 
 
 def _taken(ds, args: TrainConfig):

@@ -5,6 +5,7 @@ construction what it cannot honour."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
 import pytest
@@ -260,6 +261,52 @@ def test_tools_and_an_environment_factory_given_as_objects_run_their_turns(tiny_
     assert 1.0 < metrics[0]["rewards/environment/mean"] < 2.0
     with pytest.raises(ConfigError, match="TRL's rollout_func\\(prompts, trainer\\) drives vLLM through the trainer"):
         GRPOTrainer(str(tiny_model), reward_funcs=_reward, args=GRPOConfig(str(tmp_path / "f")), train_dataset=_rows(), rollout_func=lambda prompts, trainer: {})
+
+
+@pytest.mark.quick
+def test_a_reward_model_given_as_an_object_scores_as_the_one_given_by_name(tiny_model, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tandem.rewards import score
+    from tandem.rewards.model import RewardModel
+
+    rm = tmp_path / "rm"
+    assert cli_here("init-model", rm, "--size", "tiny", "--reward-model").returncode == 0
+    objects = [AutoModelForSequenceClassification.from_pretrained(rm, num_labels=1), "exact_match"]
+    trainer = GRPOTrainer(str(tiny_model), reward_funcs=objects, args=GRPOConfig(str(tmp_path / "run")), train_dataset=_rows(),
+                          reward_processing_classes=[AutoTokenizer.from_pretrained(rm), None])  # fmt: skip
+    assert [r.name for r in trainer._rewards] == ["rm", "exact_match"]  # TRL's name: the last part of the model's
+    prompts, completions = [[{"role": "user", "content": "1+1="}]] * 2, [[{"role": "assistant", "content": c}] for c in ("2", "11")]
+    by_name = RewardModel(f"model:{rm}")(prompts, completions)
+    assert score(trainer._rewards[:1], prompts, completions)[:, 0].tolist() == pytest.approx(by_name, abs=1e-6) and by_name[0] != by_name[1]
+
+
+@pytest.mark.quick
+def test_push_to_hub_saves_the_model_and_uploads_the_run_folder_through_huggingface_hub(tiny_model, tmp_path, monkeypatch):
+    # huggingface_hub's HfApi is the outer boundary (this machine reaches no hub): a stand-in records its calls
+    import huggingface_hub
+
+    calls = []
+
+    class Hub:
+        def __init__(self, token=None):
+            calls.append(("token", token))
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            calls.append(("create", repo_id, exist_ok))
+            return type("Repo", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload", kwargs["repo_id"], Path(kwargs["folder_path"]), kwargs["commit_message"], "checkpoint-*" in kwargs["ignore_patterns"]))
+            return "https://hub/commit"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Hub)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    args = GRPOConfig(str(tmp_path / "run"), push_to_hub=True, hub_model_id="me/run")  # TRL's options, taken by the trainer
+    trainer = GRPOTrainer(model, reward_funcs=_reward, args=args, train_dataset=_rows())
+    assert trainer.push_to_hub() == "https://hub/commit"
+    assert calls == [("token", None), ("create", "me/run", True), ("upload", "me/run", tmp_path / "run", "End of training", True)]
+    assert (tmp_path / "run" / "config.json").is_file() and (tmp_path / "run" / "tokenizer_config.json").is_file()
 
 
 def _rows(n=4):

@@ -137,7 +137,7 @@ def test_a_trl_config_runs_as_it_is_with_what_was_mapped_listed(tmp_path):
         ("vllm_gpu_memory_utilization: 0.9", "give it to the rollout server (`tandem rollout --engine vllm --gpu-memory-utilization`)"),
         ("generation_kwargs: {top_p: 0.9, stop: ['x']}", "['stop'] have no tandem equivalent"),
         ("multi_objective_aggregation: normalize_then_sum", "normalize_then_sum (GDPO) is not built"),
-        ("push_to_hub: true", "tandem does not upload to the hub"),
+        ("push_to_hub: true", "tandem train does not upload to the hub"),
         ("optim: adafactor", "optim='adafactor': must be one of ('adamw_torch_fused', 'adamw_torch')"),
         ("vllm_server_base_url: http://a:1\nrollout_server_urls: [http://b:2]", "rollout_server_urls is given twice"),
     ],

@@ -40,17 +40,20 @@ class RewardModel:
     when "auto").
     """
 
-    def __init__(self, spec: str, device: str = "auto", dtype: str = "auto", batch_size: int = 32):
+    def __init__(self, spec: str, device: str = "auto", dtype: str = "auto", batch_size: int = 32, model=None, tokenizer=None):
+        """The model `spec` names, or the `model` object given (the Python API's, in its own dtype)
+        with `tokenizer` (else the one of its name)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.name = spec.removeprefix(PREFIX)
+        self.__name__ = Path(self.name).name  # its metrics' name, TRL's: the last part of its name
         self.device = torch.device(default_device() if device == "auto" else device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.tokenizer = AutoTokenizer.from_pretrained(self.name)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.name)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.name, num_labels=1, dtype=getattr(torch, dtype))
+        self.model = model or AutoModelForSequenceClassification.from_pretrained(self.name, num_labels=1, dtype=getattr(torch, dtype))
         self.model.config.pad_token_id = self.tokenizer.pad_token_id  # the classifier reads the last non-pad token
         self.model.to(self.device).eval()
         self.batch_size = batch_size

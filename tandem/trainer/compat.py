@@ -218,7 +218,7 @@ def swift_defaults(values: dict) -> dict:
     return {k: v for k, v in out.items() if k not in values}
 
 
-_NO_HUB = "tandem does not upload to the hub; copy the output_dir yourself"
+_NO_HUB = "tandem train does not upload to the hub: the Python API's GRPOTrainer does (GRPOConfig(push_to_hub=True), trainer.push_to_hub()), or copy output_dir yourself"
 _SERVER_SIDE = "a vLLM engine option: give it to the rollout server (`tandem rollout --engine vllm {flag}`)"
 
 
