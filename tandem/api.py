@@ -7,21 +7,21 @@
 
 GRPOConfig is tandem's TrainConfig taking TRL's and ms-swift's option names as keywords, resolved
 as a YAML file's are (trainer/compat.py): a name tandem cannot honour is refused when the config
-is made. GRPOTrainer runs what `tandem train` runs (trainer/build.py and loop.py), with the reward
-functions and datasets given as objects: every process of `accelerate launch` or `torchrun`
-runs the script and so holds them. AsyncGRPOConfig and AsyncGRPOTrainer (TRL 1.18's names) are
-the same with async generation on.
+is made. GRPOTrainer runs what `tandem train` runs (trainer/build.py and loop.py), with what TRL
+takes as objects handed over as such (build.Given): reward functions and reward models, datasets,
+the model (trained in place) and its tokenizer, tools, an environment factory and a rollout
+function. Every process of `accelerate launch` or `torchrun` runs the script and so holds them.
+AsyncGRPOConfig and AsyncGRPOTrainer (TRL 1.18's names) are the same with async generation on.
 
-Callbacks are transformers' TrainerCallbacks, told on every process: on_train_begin, then each
-step's on_step_end and on_log (logs: the step's metrics.jsonl line), on_evaluate (the main
-process's eval/* results), on_train_end. control.should_training_stop ends the run at the end of
-that round, with its checkpoint. `args` is the GRPOConfig; `model` and the other keywords HF's
-Trainer passes are not given.
+Callbacks are transformers' TrainerCallbacks, told on every process: on_init_end, on_train_begin,
+then each step's on_step_begin, on_step_end and on_log (logs: the step's metrics.jsonl line),
+on_evaluate (the main process's eval results, TRL's keys), on_save, on_train_end.
+control.should_training_stop ends the run at the end of that round, with its checkpoint. `args` is
+the GRPOConfig; `model` and the other keywords HF's Trainer passes are not given.
 
-What a TRL script may pass that tandem does not take yet is refused at construction, naming the
-argument and what to do instead: a model object (give its name or folder), a reward model
-object, optimizers, quantization_config, processing classes, and tools, environment_factory or
-rollout_func as objects (give them to GRPOConfig as 'file.py:name').
+What a TRL script may pass that tandem does not take is refused at construction, naming the
+argument and what to do instead: optimizers, quantization_config, and TRL's rollout_func(prompts,
+trainer), which drives vLLM through the trainer.
 """
 
 import json
