@@ -216,7 +216,7 @@ def _turn_objects(args: TrainConfig, tools, environment_factory, rollout_func) -
     callable making one environment) and rollout_func given as objects: into the config as
     loading.GIVEN specs (saved and printed so), the objects by spec for the run."""
     from tandem.aio import is_async
-    from tandem.loading import GIVEN
+    from tandem.loading import GIVEN, spawn_problem
 
     objects = {}
 
@@ -233,6 +233,10 @@ def _turn_objects(args: TrainConfig, tools, environment_factory, rollout_func) -
 
     if tools:
         args.tools = [*args.tools, *(given(t, "tools") for t in tools)]
+        for tool in tools:
+            if args.tool_workers and not isinstance(tool, str) and (problem := spawn_problem(tool)):
+                raise ConfigError(f"GRPOTrainer(tools=...): {tool.__name__} cannot reach tool_workers={args.tool_workers} worker processes: "
+                                  f"{problem}; or give tool_workers 0")  # fmt: skip
     if environment_factory is not None:
         args.environment_factory = given(environment_factory, "environment_factory")
     if rollout_func is not None:

@@ -1,8 +1,11 @@
 """Loading a user's object named "path/to/file.py:name" or "package.module:name" (reward
 functions, tools, environments), with errors that name the option it came from."""
 
+import ast
 import importlib
 import importlib.util
+import pickle
+import sys
 from pathlib import Path
 
 _FILE_MODULES: dict[Path, object] = {}
@@ -54,3 +57,35 @@ def _file_module(path: Path):
         module_spec.loader.exec_module(module)
         _FILE_MODULES[key] = module
     return _FILE_MODULES[key]
+
+
+def spawn_problem(obj) -> str | None:
+    """Why worker processes, which are spawned, cannot have `obj` (pickled by reference to a module
+    they import, the script's included), or None where they can."""
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - pickle's errors are of many kinds; each means the same here
+        return f"it cannot be pickled ({exc})"
+    if getattr(obj, "__module__", type(obj).__module__) != "__main__":
+        return None
+    script = getattr(sys.modules["__main__"], "__file__", None)
+    if script is None:
+        return "it is defined in an interactive session, which worker processes cannot import"
+    if not _guarded(Path(script)):
+        return (f"it is defined in {script}, whose top level would run again in each worker (spawned processes import the script): "
+                'put what the script runs under `if __name__ == "__main__":`, or the function in a module of its own')  # fmt: skip
+    return None
+
+
+def _guarded(script: Path) -> bool:
+    """Whether the script's top level has an `if __name__ == "__main__":` block."""
+    try:
+        tree = ast.parse(script.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__":
+            if any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators):
+                return True
+    return False

@@ -197,7 +197,13 @@ adapters = {k: v.clone() for k, v in peft.state_dict().items()}
 lora = GRPOTrainer(peft, reward_funcs=length, args=GRPOConfig(f"{out}/peft", **options), train_dataset=dataset)
 lora.train()
 after = peft.state_dict()
+try:  # this script runs training at its top level, as TRL's do: a worker process importing it would run it again
+    GRPOTrainer(name, reward_funcs=length, args=GRPOConfig(f"{out}/w", reward_num_workers=1, **options), train_dataset=dataset)
+    refused = ""
+except ValueError as exc:
+    refused = str(exc)
 print("RESULT", json.dumps({
+    "refused": refused,
     "same_losses": losses(f"{out}/named") == losses(f"{out}/object"), "in_place": trainer.model is model,
     "changed": any(not torch.equal(start[k], v) for k, v in model.state_dict().items()),
     "peft_in_place": lora.model is peft, "lora_r": lora.args.lora_r, "use_peft": lora.args.use_peft,
@@ -214,8 +220,40 @@ def test_a_model_object_trains_in_place_as_its_name_does_and_a_peft_model_trains
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     got = json.loads(line.removeprefix("RESULT "))
+    assert "whose top level would run again in each worker" in got.pop("refused")
     assert got == {"same_losses": True, "in_place": True, "changed": True, "peft_in_place": True, "lora_r": 4, "use_peft": True,
                    "adapters_moved": True, "base_kept": True}  # fmt: skip
+
+
+# The script's own functions in reward workers, the script guarded as multiprocessing needs: the
+# workers import it (not running it) and score, their log_metric values logged as in this process.
+WORKER_SCRIPT = """
+import json, sys
+from datasets import Dataset
+from tandem import GRPOConfig, GRPOTrainer
+
+def length(completions, log_metric, **kwargs):
+    log_metric("chars", sum(map(len, completions)) / len(completions))
+    return [float(len(c)) for c in completions]
+
+if __name__ == "__main__":
+    out, name, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dataset = Dataset.from_list([{"prompt": f"{a}+1="} for a in range(8)])
+    args = GRPOConfig(out, per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2, reward_num_workers=workers,
+                      disable_tqdm=True)
+    GRPOTrainer(name, reward_funcs=length, args=args, train_dataset=dataset).train()
+"""
+
+
+def test_a_scripts_reward_function_scores_in_reward_workers_as_in_the_trainer(tiny_model, tmp_path):
+    script = tmp_path / "workers.py"
+    script.write_text(WORKER_SCRIPT)
+    for workers in (0, 2):
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / str(workers)), str(tiny_model), str(workers)], capture_output=True,
+                              text=True, env=ENV, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    inline, pooled = ([json.loads(line) for line in (tmp_path / str(w) / "metrics.jsonl").read_text().splitlines()] for w in (0, 2))
+    assert [m["reward"] for m in pooled] == [m["reward"] for m in inline] and [m["chars"] for m in pooled] == [m["chars"] for m in inline]
 
 
 def multiply(a: int, b: int) -> int:
@@ -340,7 +378,7 @@ def test_trl_names_resolve_and_what_tandem_cannot_honour_is_refused_at_construct
         (dict(train_dataset=datasets.IterableDataset.from_generator(lambda: iter([{"prompt": "1+1="}]))), "give max_steps .a stream has no length"),
         (dict(reward_funcs=[_reward, _reward]), "two functions of the same name"),
         (dict(reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=GRPOConfig(str(tmp_path), reward_num_workers=2)),
-         "'<lambda>' cannot reach reward_num_workers=2 worker processes .*or give reward_num_workers 0"),
+         "'<lambda>' cannot reach reward_num_workers=2 worker processes: it cannot be pickled.*or give reward_num_workers 0"),
     ]
     for change, message in refused:
         given = dict(model=str(tiny_model), reward_funcs=_reward, args=GRPOConfig(str(tmp_path)), train_dataset=_rows()) | change

@@ -4,7 +4,6 @@ weights, timeouts, errors."""
 import asyncio
 import functools
 import math
-import pickle
 import sys
 import threading
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from typing import Callable
 import torch
 
 from tandem.aio import is_async, user_loop
-from tandem.loading import load_object
+from tandem.loading import load_object, spawn_problem
 from tandem.rewards import model as reward_model
 from tandem.rewards.builtin import BUILTIN_REWARDS, completion_text
 from tandem.rewards.trl import (accuracy_reward, get_cosine_scaled_reward, get_repetition_penalty_reward, get_soft_overlong_punishment,
@@ -129,12 +128,11 @@ def _checked(fn):
 
 
 def _to_workers(fn, name: str, num_workers: int):
-    """fn, where spawned workers can have it: pickled by reference to a module they import."""
-    try:
-        pickle.dumps(fn)
-    except Exception as exc:  # noqa: BLE001 - pickle's errors are of many kinds; each means the same here
-        raise ValueError(f"reward function {name!r} cannot reach reward_num_workers={num_workers} worker processes ({exc}): define it "
-                         "at the top level of a module or script, or give reward_num_workers 0") from None  # fmt: skip
+    """fn, where spawned workers can have it (loading.spawn_problem)."""
+    problem = spawn_problem(fn)
+    if problem:
+        raise ValueError(f"reward function {name!r} cannot reach reward_num_workers={num_workers} worker processes: {problem}; "
+                         "or give reward_num_workers 0")  # fmt: skip
     return fn
 
 

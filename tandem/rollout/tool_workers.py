@@ -6,7 +6,8 @@ can end the run (os._exit, a crash in C), flood its output or hold a thread for 
 it takes only its worker with it: the call fails (counted, and the model shown an error or the
 agent's episode dropped) and a fresh worker takes its place. A worker's standard output and error
 go to /dev/null. Each worker loads the function from its spec ("file.py:fn", "module:fn" or a
-built-in tool's name) once, and answers one call at a time.
+built-in tool's name) once, or is sent it (a tool given to the Python API, pickled by
+reference), and answers one call at a time.
 """
 
 import multiprocessing
@@ -42,7 +43,9 @@ def serve_tools(conn, parent: int) -> None:
         except EOFError:
             return
         try:
-            if spec not in fns:
+            if callable(spec):  # a function the Python API was given, unpickled
+                fns[spec] = spec
+            elif spec not in fns:
                 fns[spec] = BUILTIN_TOOLS[spec] if spec in BUILTIN_TOOLS else load_object(spec, "tools entry")
             reply = as_text(fns[spec](**arguments), name)
         except SystemExit as exc:

@@ -30,7 +30,9 @@ class Tool:
     name: str
     fn: Callable
     schema: dict  # {"type": "function", "function": {...}}, as chat templates take it
-    spec: str | None = None  # what loads it in a worker process ("file.py:fn", a built-in name); None: an environment's method
+    # What a worker process calls it by: a spec it loads ("file.py:fn", a built-in name) or, given
+    # to the Python API, the function (pickled by reference); None: an environment's method
+    spec: str | Callable | None = None
 
 
 @dataclass
@@ -101,10 +103,10 @@ def _format_number(value) -> str:
 
 
 def load_tools(specs: list[str], given: dict | None = None) -> list[Tool]:
-    """Built-in names (calculator), "path/file.py:fn" / "module:fn", or objects the Python API was
-    given (loading.GIVEN specs, held in `given`: they run in this process, never in tool workers)."""
+    """Built-in names (calculator), "path/file.py:fn" / "module:fn", or functions the Python API was
+    given (loading.GIVEN specs, held in `given`)."""
     tools = [replace(make_tool(BUILTIN_TOOLS[s] if s in BUILTIN_TOOLS else load_object(s, "tools entry", given=given), f"tools entry {s!r}"),
-                     spec=None if s.startswith(GIVEN) else s) for s in specs]  # fmt: skip
+                     spec=given[s] if s.startswith(GIVEN) else s) for s in specs]  # fmt: skip
     _check_unique(tools, "tools")
     return tools
 
