@@ -36,9 +36,11 @@ async def reward_answer(completions, answer, **kwargs):
     return [float(a in c) if c.strip() else None for c, a in zip(completions, answer)]
 
 out, batch, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+server = sys.argv[4] if len(sys.argv) > 4 else None  # TRL's vLLM server options, a tandem server behind them, async
+mode = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=server, async_generate=True, vllm_importance_sampling_correction=False) if server else {}
 dataset = Dataset.from_list([{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(2)])
 args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=4, max_completion_length=8, num_train_epochs=2,
-                  learning_rate=1e-3, logging_steps=1, report_to="none", seed=3, disable_tqdm=True)
+                  learning_rate=1e-3, logging_steps=1, report_to="none", seed=3, disable_tqdm=True, **mode)
 trainer = GRPOTrainer(model=model, reward_funcs=[reward_len, reward_answer], args=args, train_dataset=dataset)
 result = trainer.train()
 trainer.save_model()
@@ -47,11 +49,13 @@ if trainer.state.is_world_process_zero:
 """
 
 
-def _script(path, out, batch, model, procs=1) -> dict:
+def _script(path, out, batch, model, procs=1, launcher="accelerate", *extra) -> dict:
     launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
                                                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                                                   "--main_process_port", str(free_port())]  # fmt: skip
-    proc = subprocess.run([*launch, str(path), str(out), str(batch), str(model)], capture_output=True, text=True, env=ENV, timeout=300)
+    if procs > 1 and launcher == "torchrun":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port())]
+    proc = subprocess.run([*launch, str(path), str(out), str(batch), str(model), *map(str, extra)], capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(line.removeprefix("RESULT "))
@@ -90,6 +94,18 @@ def test_a_trl_script_trains_as_tandem_train_does_and_two_processes_as_one(tiny_
     two = _script(script, tmp_path / "two", 4, tiny_model, procs=2)
     assert two["global_step"] == 8 and _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-6)
     assert [json.loads(line)["aim"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()] == [m["aim"] for m in metrics]
+
+
+def test_a_trl_script_in_async_server_mode_under_torchrun_trains_as_one_process(tiny_model, server, tmp_path):
+    script = tmp_path / "grpo.py"
+    script.write_text(SCRIPT)
+    one = _script(script, tmp_path / "one", 8, tiny_model, 1, "torchrun", server.url)
+    two = _script(script, tmp_path / "two", 4, tiny_model, 2, "torchrun", server.url)
+    assert one["global_step"] == two["global_step"] == 8
+    (a, b) = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("one", "two"))
+    assert [m["reward"] for m in a] == [m["reward"] for m in b]  # the same completions, gathered
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-6)
+    assert a[-1]["staleness/max"] == b[-1]["staleness/max"] == 1  # generated a round ahead
 
 
 # A TRL callback that stops the run at step 3 (should_training_stop), then the run resumed
