@@ -287,7 +287,8 @@ def _rewards(reward_funcs, args: TrainConfig, processing_classes) -> list:
         if isinstance(f, PreTrainedModel):
             name = f.config._name_or_path or type(f).__name__
             if tokenizer is None and not f.config._name_or_path:
-                raise ConfigError(f"reward_funcs[{i}] is a {type(f).__name__} not loaded from a folder or the hub: give its tokenizer in reward_processing_classes")
+                raise ConfigError(f"reward_funcs[{i}] is a {type(f).__name__} not loaded from a folder or the hub: give its tokenizer in "
+                                  "reward_processing_classes")  # fmt: skip
             funcs[i] = RewardModel(name, args.reward_model_device, batch_size=args.reward_model_batch_size, model=f, tokenizer=tokenizer)
         elif isinstance(f, (str, os.PathLike)):
             funcs[i] = str(f)

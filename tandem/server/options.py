@@ -66,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=None, help="GPUs to shard the model over")  # fmt: skip
     v.add_argument("--data_parallel_size", "--vllm_data_parallel_size", dest="data_parallel_size", type=_one_engine, default=1,
                    help="ms-swift's engines per server: 1 (for more, start a server per engine and give the trainer each URL)")  # fmt: skip
-    v.add_argument("--max-model-len", "--vllm_max_model_len", dest="max_model_len", type=int, default=None, help="longest prompt + completion; default: the model's")
+    v.add_argument("--max-model-len", "--vllm_max_model_len", dest="max_model_len", type=int, default=None,
+                   help="longest prompt + completion; default: the model's")  # fmt: skip
     v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="reuse the KV cache of shared prompt prefixes (cleared at every weight update)")
     v.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs or torch.compile: starts faster, generates slower")
     v.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="bytes of KV cache. On --device cpu, where it lives in host memory, the default is what --max-batch-tokens tokens need")

@@ -140,10 +140,12 @@ class Evaluator:
                 return None
             if self.every_rank:
                 self.dist.enter("evaluation (sharded engine)")
+            results = {}
             with self.dist.accelerator.autocast():
-                return {k: v for name, table in self.tables.items()
-                        for k, v in evaluate(self.engine, self.tokenizer, table, self.reward_fns, self.params, self.num_generations, self.greedy,
-                                             self.seed, self.pass_threshold, min_version=version, rollouts=self.rollouts, prefix=prefix(name)).items()}  # fmt: skip
+                for name, table in self.tables.items():
+                    results |= evaluate(self.engine, self.tokenizer, table, self.reward_fns, self.params, self.num_generations, self.greedy,
+                                        self.seed, self.pass_threshold, min_version=version, rollouts=self.rollouts, prefix=prefix(name))  # fmt: skip
+            return results
 
         results = together_collective(self.dist, "evaluation", run)  # a server that fails rank 0's stops every rank
         return results if self.dist.is_main else None

@@ -31,7 +31,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, tokenizer=None, m
     if (tokenizer is None or model is None) and name.startswith(("/", ".", "~")) and not local.is_dir():
         raise ConfigError(f"model_name_or_path={name}: no such folder; give a model folder (e.g. one made by `tandem init-model`) or a hub name")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code) if tokenizer is None else getattr(tokenizer, "tokenizer", tokenizer)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
         model_config = model.config if model is not None else AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         max_len = getattr(model_config, "max_position_embeddings", None)
     except (OSError, ValueError) as exc:
