@@ -16,6 +16,7 @@ import threading
 from concurrent.futures import Future
 from typing import Awaitable, Callable
 
+
 def is_async(fn) -> bool:
     """Whether calling fn gives a coroutine: an `async def` function (or a partial of one), or an
     object whose __call__ is one (ms-swift's AsyncORM, a TRL callable class)."""

@@ -138,13 +138,12 @@ class GRPOTrainer:
         """The model as it is now (trained, or the one to train) on eval_dataset (else the one
         given to the trainer), with eval_num_generations completions a prompt by tandem's engine
         in this process: TRL's keys (eval_reward, eval_rewards/NAME/mean, eval_pass@k, ...).
-        Callbacks are told on_evaluate, and state.log_history gets the results."""
+        Callbacks are told on_evaluate, and state.log_history gets the results. ignore_keys, of
+        the model's outputs in transformers, has nothing to act on: no outputs are gathered."""
         from transformers import AutoModelForCausalLM
 
-        from tandem.trainer.eval import evaluate_model
+        from tandem.trainer.eval import evaluate_model, prefix
         from tandem.trainer.setup import load_tokenizer, model_load_kwargs
-
-        from tandem.trainer.eval import prefix
 
         source = _dataset(eval_dataset, "eval_dataset")[0] if eval_dataset is not None else self._eval or self.args.eval_dataset
         if not source:
@@ -158,7 +157,7 @@ class GRPOTrainer:
         tokenizer = self.processing_class or load_tokenizer(a.model_name_or_path, a.trust_remote_code)[0]
         results = {k: v for name, data in sources.items() for k, v in evaluate_model(lm, tokenizer, data, self._rewards, a, a.eval_num_generations,
                                                                                   a.eval_greedy, a.eval_pass_threshold, prefix(name)).items()}  # fmt: skip
-        out = {metric_key_prefix + k.removeprefix("eval"): v for k, v in _trl_keys(results).items() if k.split("_", 1)[-1] not in (ignore_keys or [])}
+        out = {metric_key_prefix + k.removeprefix("eval"): v for k, v in _trl_keys(results).items()}
         self.state.log_history.append({**out, "step": self.state.global_step})
         self.callbacks.evaluation(self.state.global_step, out)
         return out
@@ -175,7 +174,6 @@ class GRPOTrainer:
             self.model.save_pretrained(out)
             (self.processing_class or load_tokenizer(self.args.model_name_or_path, self.args.trust_remote_code)[0]).save_pretrained(out)
 
-
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
                     revision: str | None = None, private: bool | None = None, **kwargs) -> str:  # fmt: skip
         """save_model(), then output_dir (its checkpoints left out) to the hub repository
@@ -189,7 +187,8 @@ class GRPOTrainer:
         if not self._main:
             return ""
         api = HfApi(token=token)
-        repo_id = api.create_repo(getattr(self.args, "hub_model_id", None) or Path(self.args.output_dir).resolve().name, private=private, exist_ok=True).repo_id
+        name = getattr(self.args, "hub_model_id", None) or Path(self.args.output_dir).resolve().name
+        repo_id = api.create_repo(name, private=private, exist_ok=True).repo_id
         return api.upload_folder(repo_id=repo_id, folder_path=self.args.output_dir, commit_message=commit_message, revision=revision,
                                  ignore_patterns=["checkpoint-*", "checkpoint-*/**", "_*", "latest"], run_as_future=not blocking)  # fmt: skip
 
@@ -201,7 +200,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
 
 def _refuse_objects(**given) -> None:
-    """What tandem does not take from a TRL script yet: a config error naming it and the way instead."""
+    """What tandem does not take from a TRL script: a config error naming it and the way instead."""
     instead = {
         "optimizers": "tandem trains with AdamW (optim, learning_rate, lr_scheduler_type)",
         "quantization_config": "quantized training is not built: train in bf16, or LoRA (peft_config)",

@@ -3,6 +3,7 @@ weights, timeouts, errors."""
 
 import asyncio
 import functools
+import json
 import math
 import sys
 import threading
@@ -48,7 +49,7 @@ class RewardLog:
         self.n, self.columns, self.metrics = n, {}, {}
 
     def log_extra(self, column: str, values) -> None:
-        self.columns.setdefault(str(column), []).extend(list(values))
+        self.columns.setdefault(str(column), []).extend(_plain(v) for v in values)
 
     def log_metric(self, name: str, value) -> None:
         self.metrics.setdefault(str(name), []).append(float(value))
@@ -57,8 +58,20 @@ class RewardLog:
         """Each completion's logged columns; a column of other than one value per completion is a RewardError."""
         for column, values in self.columns.items():
             if len(values) != self.n:
-                raise RewardError(f"log_extra({column!r}, ...) was given {len(values)} values for a batch of {self.n} completions; give one per completion")
+                raise RewardError(f"log_extra({column!r}, ...) was given {len(values)} values for a batch of {self.n} completions; "
+                                  "give one per completion")  # fmt: skip
         return [{c: v[i] for c, v in self.columns.items()} for i in range(self.n)]
+
+
+def _plain(value):
+    """A logged value as JSON holds it (completions.jsonl, checkpoints): numpy's and torch's scalars
+    as numbers, anything else JSON cannot hold as its text."""
+    value = value.item() if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 else value
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def load_reward_fn(spec: str, model_options: dict | None = None) -> RewardFn:

@@ -178,7 +178,9 @@ def _swift_dataset(value, given: dict) -> tuple[dict, str | None]:
     values = value if isinstance(value, list) else [value]
     if len(values) != 1:
         raise Refused(f"{len(values)} datasets: tandem trains on one; join them into one file (a 'prompt' or 'messages' column)")
-    name, _, sample = str(values[0]).rpartition("#") if "#" in str(values[0]) else (str(values[0]), "", "")
+    name, marked, sample = str(values[0]).rpartition("#")
+    if not marked:
+        name, sample = sample, ""
     if sample and not sample.isdigit():
         raise Refused(f"after '#' give the number of rows to sample, e.g. {name}#1000")
     return {"dataset_name": name} | ({"dataset_sample": int(sample)} if sample else {}), None
@@ -200,7 +202,7 @@ def _torch_dtype(value, given: dict) -> tuple[dict, str | None]:
 def _deepspeed(value, given: dict) -> tuple[dict, str | None]:
     """ZeRO-3 shards parameters, gradients and optimizer state as FSDP's full_shard does; ZeRO-2
     keeps the parameters whole through each step, as shard_grad_op does between forward and backward."""
-    stage = {"zero3": "full_shard", "zero3_offload": None, "zero2": "shard_grad_op", "zero2_offload": None}.get(str(value))
+    stage = {"zero3": "full_shard", "zero2": "shard_grad_op"}.get(str(value))
     if stage is None:
         raise Refused("tandem shards with FSDP2: give fsdp full_shard (ZeRO-3's sharding) or shard_grad_op (ZeRO-2's); offload and "
                       "DeepSpeed config files are not built")  # fmt: skip
