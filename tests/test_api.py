@@ -182,7 +182,7 @@ def test_a_callback_stops_the_run_with_a_checkpoint_and_train_resumes_it(tiny_mo
 
 # A model given as an object, as TRL scripts load one: trained in place, with its reference a copy
 # of its start (beta > 0), to the losses of the run given the model's name; a PeftModel trains its
-# own adapters.
+# own adapters, and a fresh one resumed from its checkpoint trains on as it did.
 OBJECT_SCRIPT = """
 import json, sys
 import torch
@@ -210,9 +210,12 @@ trainer = GRPOTrainer(model, reward_funcs=length, args=GRPOConfig(f"{out}/object
 trainer.train()
 peft = get_peft_model(AutoModelForCausalLM.from_pretrained(name), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 adapters = {k: v.clone() for k, v in peft.state_dict().items()}
-lora = GRPOTrainer(peft, reward_funcs=length, args=GRPOConfig(f"{out}/peft", **options), train_dataset=dataset)
+lora = GRPOTrainer(peft, reward_funcs=length, args=GRPOConfig(f"{out}/peft", save_steps=2, **options), train_dataset=dataset)
 lora.train()
 after = peft.state_dict()
+again = get_peft_model(AutoModelForCausalLM.from_pretrained(name), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+resumed = GRPOTrainer(again, reward_funcs=length, args=GRPOConfig(f"{out}/peft", **options), train_dataset=dataset)
+resumed.train(resume_from_checkpoint=f"{out}/peft/checkpoint-2")
 try:  # this script runs training at its top level, as TRL's do: a worker process importing it would run it again
     GRPOTrainer(name, reward_funcs=length, args=GRPOConfig(f"{out}/w", reward_num_workers=1, **options), train_dataset=dataset)
     refused = ""
@@ -225,6 +228,7 @@ print("RESULT", json.dumps({
     "peft_in_place": lora.model is peft, "lora_r": lora.args.lora_r, "use_peft": lora.args.use_peft,
     "adapters_moved": any(not torch.equal(adapters[k], after[k]) for k in after if "lora_B" in k),
     "base_kept": all(torch.equal(adapters[k], after[k]) for k in after if "lora_" not in k),
+    "resumed_same": all(torch.equal(v, after[k]) for k, v in again.state_dict().items()),
 }))
 """
 
@@ -238,7 +242,7 @@ def test_a_model_object_trains_in_place_as_its_name_does_and_a_peft_model_trains
     got = json.loads(line.removeprefix("RESULT "))
     assert "whose top level would run again in each worker" in got.pop("refused")
     assert got == {"same_losses": True, "in_place": True, "changed": True, "peft_in_place": True, "lora_r": 4, "use_peft": True,
-                   "adapters_moved": True, "base_kept": True}  # fmt: skip
+                   "adapters_moved": True, "base_kept": True, "resumed_same": True}  # fmt: skip
 
 
 # The script's own functions in reward workers, the script guarded as multiprocessing needs: the
