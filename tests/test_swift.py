@@ -49,7 +49,7 @@ def _config(*argv) -> TrainConfig:
 
 
 @pytest.mark.quick
-def test_ms_swifts_options_resolve_to_tandems_and_what_it_cannot_honour_is_refused(tmp_path):
+def test_ms_swifts_options_resolve_to_tandems_and_what_it_cannot_honour_is_refused(tmp_path, monkeypatch):
     cfg = _config("--dataset", "data.jsonl#100", "--tuner_type", "full", "--torch_dtype", "bfloat16", "--deepspeed", "zero2",
                   "--rollout_importance_sampling_mode", "token_truncate", "--rollout_importance_sampling_threshold", "2.0",
                   "--split_dataset_ratio", "0", "--rlhf_type", "grpo", "--lora_rank", "4", "--overlong_filter", "true")  # fmt: skip
@@ -62,6 +62,10 @@ def test_ms_swifts_options_resolve_to_tandems_and_what_it_cannot_honour_is_refus
     swift = _config("--defaults", "swift")
     assert (swift.use_peft, swift.lora_r, swift.lora_alpha, swift.lora_target_modules, swift.learning_rate) == (True, 8, 32, ["all-linear"], 1e-4)
     assert (swift.beta, swift.loss_type, swift.temperature, swift.weight_decay, swift.lr_scheduler_type) == (0.04, "grpo", 0.9, 0.1, "cosine")
+    assert (swift.per_device_train_batch_size, swift.gradient_accumulation_steps, swift.completions_per_round()) == (1, 16, 16)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # ms-swift's 16 completions a step over the processes
+    assert _config("--defaults", "swift", "--per_device_train_batch_size", "2").gradient_accumulation_steps == 4
+    monkeypatch.delenv("WORLD_SIZE")
     full = _config("--defaults", "swift", "--tuner_type", "full", "--beta", "0")
     assert (full.use_peft, full.learning_rate, full.beta, full.lora_r) == (False, 1e-5, 0.0, 16)  # what is given wins; no LoRA options without LoRA
     refused = [

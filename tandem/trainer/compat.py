@@ -209,12 +209,15 @@ def _deepspeed(value, given: dict) -> tuple[dict, str | None]:
     return {"fsdp": stage}, f"fsdp {stage} (FSDP2's equivalent of {value})"
 
 
-def swift_defaults(values: dict) -> dict:
+def swift_defaults(values: dict, processes: int) -> dict:
     """ms-swift 4's GRPO defaults (swift/arguments) for the options `values` does not set: LoRA
-    unless tuner_type full, and its learning rate for that; beta 0.04, loss grpo, temperature 0.9."""
+    unless tuner_type full, and its learning rate for that; beta 0.04, loss grpo, temperature 0.9;
+    1 completion a micro-batch, accumulated to 16 completions a step over the processes."""
     lora = _bool(values.get("use_peft", True))
+    batch = int(values.get("per_device_train_batch_size", 1))
     out = {"use_peft": lora, "learning_rate": 1e-4 if lora else 1e-5, "beta": 0.04, "loss_type": "grpo", "temperature": 0.9,
-           "weight_decay": 0.1, "lr_scheduler_type": "cosine"}  # fmt: skip
+           "weight_decay": 0.1, "lr_scheduler_type": "cosine", "per_device_train_batch_size": batch,
+           "gradient_accumulation_steps": -(-16 // (batch * processes))}  # fmt: skip
     if lora:
         out |= {"lora_r": 8, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": ["all-linear"]}
     return {k: v for k, v in out.items() if k not in values}

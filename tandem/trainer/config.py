@@ -669,7 +669,7 @@ def _resolve_names(layers: list[tuple[dict, str]]) -> compat.Resolved:
     except compat.Refused as exc:
         raise ConfigError(str(exc)) from None
     if resolved.values.get("defaults") == "swift":
-        swift = compat.swift_defaults(resolved.values)
+        swift = compat.swift_defaults(resolved.values, int(os.environ.get("WORLD_SIZE", "1")))
         resolved.values |= swift
         resolved.notes.append(f"defaults swift: ms-swift's {', '.join(f'{k} {v!r}' for k, v in swift.items())}")
     return resolved
