@@ -229,6 +229,7 @@ print("RESULT", json.dumps({
     "adapters_moved": any(not torch.equal(adapters[k], after[k]) for k in after if "lora_B" in k),
     "base_kept": all(torch.equal(adapters[k], after[k]) for k in after if "lora_" not in k),
     "resumed_same": all(torch.equal(v, after[k]) for k, v in again.state_dict().items()),
+    "lrs": [round(json.loads(line)["learning_rate"], 6) for line in open(f"{out}/named/metrics.jsonl")],
 }))
 """
 
@@ -242,7 +243,8 @@ def test_a_model_object_trains_in_place_as_its_name_does_and_a_peft_model_trains
     got = json.loads(line.removeprefix("RESULT "))
     assert "whose top level would run again in each worker" in got.pop("refused")
     assert got == {"same_losses": True, "in_place": True, "changed": True, "peft_in_place": True, "lora_r": 4, "use_peft": True,
-                   "adapters_moved": True, "base_kept": True, "resumed_same": True}  # fmt: skip
+                   "adapters_moved": True, "base_kept": True, "resumed_same": True,
+                   "lrs": [0.01, 0.006667, 0.003333]}  # fmt: skip (each step's own learning rate, TRL's linear decay)
 
 
 # The script's own functions in reward workers, the script guarded as multiprocessing needs: the

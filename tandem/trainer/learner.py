@@ -228,6 +228,7 @@ class Learner:
             )
         if not skipped:
             self.optimizer.step()
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the step's, which its metrics line logs (TRL's curve)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.entropy.adaptive:  # the step's entropy over every rank sets the next step's coefficient

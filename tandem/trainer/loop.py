@@ -254,7 +254,7 @@ def step_record_collective(run: Run, rnd: Round, batch: Prepared, loss_sum, grad
         "loss": loss_sum,
         "grad_norm": grad_norm,
         "skipped_steps": state.skipped_steps,
-        "learning_rate": run.learner.scheduler.get_last_lr()[0],
+        "learning_rate": run.learner.step_lr,
         "memory/peak_gb/max": torch.tensor(metrics.peak_memory_gb()),  # the process that peaked highest
         **{k: combine(k, torch.stack(v)) for k, v in stats.items()},
     }
