@@ -190,8 +190,8 @@ def _print_demo_summary(metrics_path: Path, seconds: float) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from tandem.trainer.config import add_arguments
 
-    parser = argparse.ArgumentParser(prog="tandem", description="GRPO training with a rollout engine running in tandem.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="tandem", description="GRPO training with a rollout engine running in tandem.", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser(
         "train",
@@ -281,8 +281,17 @@ def _add_runs_readers(sub) -> None:
     p.set_defaults(run=_demo)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command's parser: an option is taken by its whole name only (a prefix such as
+    --learning_rat is an unknown option, not silently --learning_rate)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
 def _reject_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
-    """argparse's bare 'unrecognized arguments', with the closest option of the command (exits 2)."""
+    """One line an unknown option, with the closest option of the command and the --help hint,
+    instead of argparse's usage block (exits 2)."""
     import difflib
 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
@@ -292,8 +301,10 @@ def _reject_unknown(parser: argparse.ArgumentParser, command: str, unknown: list
         name = arg.split("=", 1)[0]
         if name.startswith("-"):
             close = difflib.get_close_matches(name, options, n=1)
-            lines.append(f"unknown option {name}" + (f"; did you mean {close[0]}?" if close else f"; see `tandem {command} --help`"))
-    sub.error("\n".join(lines) or f"unrecognized arguments: {' '.join(unknown)}")
+            lines.append(f"unknown option {name}" + (f"; did you mean {close[0]}?" if close else ""))
+    lines = lines or [f"unrecognized arguments: {' '.join(unknown)}"]
+    print("\n".join(f"tandem {command}: {line} (`tandem {command} --help` lists the options)" for line in lines), file=sys.stderr)
+    sys.exit(2)
 
 
 def _log_to_stderr() -> None:
@@ -412,7 +423,10 @@ def run() -> None:
     every module and collects several times over everything torch and transformers made: 1.2 s
     of a short `tandem train` process. What the run left as garbage is collected here once, as
     Python would (finalizers run, files flush); what is still reachable is frozen (gc.freeze), out
-    of the collections that follow, and freed with the process."""
+    of the collections that follow, and freed with the process. The working directory is on
+    sys.path first, as `python -m` has it, for the `module:fn` specs of reward functions and tools."""
+    if os.getcwd() not in sys.path and "" not in sys.path:  # `module:fn` specs import from here, as under `python -m`
+        sys.path.insert(0, os.getcwd())
     code = main()
     gc.collect()
     gc.freeze()

@@ -2,6 +2,9 @@
 
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -163,10 +166,20 @@ def test_a_users_mistake_ends_with_exit_code_2_and_one_message(tiny_model, tmp_p
 
 
 def test_unknown_command_line_option_fails_with_a_suggestion():
-    proc = cli_here(*BASE, "--learning_rte", "1e-5", "--numgenerations", "4")
+    proc = cli_here(*BASE, "--learning_rte", "1e-5", "--numgenerations", "4", "--learning_rat", "1e-4")  # a prefix is not taken
     assert proc.returncode == 2
     assert "unknown option --learning_rte; did you mean --learning_rate?" in proc.stderr
     assert "unknown option --numgenerations; did you mean --num_generations?" in proc.stderr
+    assert "unknown option --learning_rat; did you mean --learning_rate?" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 3 and "usage:" not in proc.stderr, proc.stderr  # one line each, no usage block
+
+
+def test_the_console_script_imports_module_specs_from_the_working_directory(tmp_path):
+    """`tandem` (the installed script, not `python -m`) finds rewards.py beside the user, as Python would."""
+    (tmp_path / "my_rewards.py").write_text('raise SystemExit("my_rewards imported")\n')
+    proc = subprocess.run([Path(sys.executable).with_name("tandem"), *BASE[:-1], "my_rewards:fn"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)  # fmt: skip
+    assert "my_rewards imported" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_trl_names_of_the_off_policy_options_are_accepted(tmp_path):
