@@ -4,6 +4,7 @@ reader, W&B's offline run folder, and a tracker whose package is missing."""
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -76,6 +77,16 @@ def test_wandb_offline_writes_its_run_folder_with_the_metrics(tiny_model, data, 
         time.sleep(0.2)
     for w in wanted:
         assert w in raw, (w, len(raw))
+
+
+def test_wandb_without_an_account_is_one_line_naming_login_and_offline(tiny_model, data, tmp_path):
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"HOME": str(tmp_path), "NETRC": str(tmp_path / "none")}
+    args = map(str, base_args(tiny_model, data, tmp_path / "run", 32, "--report_to", "wandb"))
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "train", *args],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "no W&B API key is configured: run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline" in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -291,7 +291,13 @@ def _resume_or_fresh(config: TrainConfig, dist: Dist, sharded: bool, bf16_warnin
         for warning in config.warnings() + ([bf16_warning] if bf16_warning else []):
             print(f"tandem: warning: {warning}", file=sys.stderr, flush=True)
     if metrics.log_with(config.report_to):
-        dist.accelerator.init_trackers("tandem", config=metrics.hyperparameters(config.to_dict()), init_kwargs={"wandb": {"dir": str(out)}})
+        try:
+            dist.accelerator.init_trackers("tandem", config=metrics.hyperparameters(config.to_dict()), init_kwargs={"wandb": {"dir": str(out)}})
+        except Exception as exc:
+            if type(exc).__name__ == "UsageError" and "API key" in str(exc):  # wandb's, without an account configured
+                raise ConfigError("report_to wandb: no W&B API key is configured: run `wandb login` (or set WANDB_API_KEY), or set "
+                                  "WANDB_MODE=offline to keep the W&B run in output_dir/wandb without an account") from None  # fmt: skip
+            raise
     return resume_dir, saved
 
 
