@@ -290,7 +290,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _reject_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
-    """One line an unknown option, with the closest option of the command and the --help hint,
+    """One line per unknown option, with the closest option of the command and the --help hint,
     instead of argparse's usage block (exits 2)."""
     import difflib
 
