@@ -175,7 +175,7 @@ def test_unknown_command_line_option_fails_with_a_suggestion():
 
 
 def test_the_console_script_imports_module_specs_from_the_working_directory(tmp_path):
-    """`tandem` (the installed script, not `python -m`) finds rewards.py beside the user, as Python would."""
+    """`tandem` (the installed script, not `python -m`) imports a module beside the user, as `python -m` would."""
     (tmp_path / "my_rewards.py").write_text('raise SystemExit("my_rewards imported")\n')
     proc = subprocess.run([Path(sys.executable).with_name("tandem"), *BASE[:-1], "my_rewards:fn"], capture_output=True, text=True, cwd=tmp_path,
                           timeout=120)  # fmt: skip
